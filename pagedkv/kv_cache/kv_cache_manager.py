@@ -1,0 +1,239 @@
+"""KVCacheManager: the scheduler's only door to the KV cache.
+
+Per request, a step's allocation lays tokens out as::
+
+    | computed | new computed (prefix hit) | external (connector) | new | lookahead |
+    |<- request.num_computed_tokens ->|
+               |<- num_new_computed ---->|<- num_external ---->|<- num_new_tokens ->|
+
+and gives the request enough blocks, in every group, to hold all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedkv.kv_cache.kv_cache_block import KVCacheBlock
+from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
+from pagedkv.kv_cache.kv_cache_coordinator import get_kv_cache_coordinator
+from pagedkv.kv_cache.kv_events import KVCacheEvent
+from pagedkv.kv_cache.request import KVCacheRequest
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """Blocks of one request, one sequence per KV cache group."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Block ids of group 0 not (yet) in the prefix cache: the targets of a KV load."""
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None and not b.is_null]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(group) for group in self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups: ``queries`` prompt tokens looked up, ``hits`` found."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        max_in_flight_tokens: int | None = None,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        if not isinstance(max_model_len, int) or max_model_len <= 0:
+            raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
+            enable_caching,
+            enable_kv_cache_events,
+        )
+        self.block_pool = self.coordinator.block_pool
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
+        """The request's longest cached prefix: ``(blocks per group, num_computed_tokens)``.
+
+        Never the whole prompt: the last token is always recomputed, to get its logits (this
+        can cost a whole block, since hits are block-aligned). Reference counts are untouched
+        until ``allocate_slots`` adopts the blocks, which must happen in the same step.
+        """
+        if not self.enable_caching:
+            return self.empty_kv_cache_blocks, 0
+        blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if not num_hit_tokens:
+            return self.empty_kv_cache_blocks, 0
+        return KVCacheBlocks(blocks), num_hit_tokens
+
+    def record_prefix_cache_stats(self, request: KVCacheRequest, num_hit_tokens: int) -> None:
+        """Called by the scheduler once per admitted request."""
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Give the request slots for its new tokens; returns the newly allocated blocks.
+
+        Returns None, changing nothing except freeing blocks that fell out of a sliding window,
+        when the pool lacks free blocks. ``full_sequence_must_fit`` (new admissions) also
+        requires room for the whole current sequence. ``delay_cache_blocks`` (KV arriving from
+        a connector) leaves the new blocks out of the prefix cache until the KV has landed.
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_external_computed_tokens < 0:
+            raise ValueError(
+                "token counts must be >= 0, got num_new_tokens="
+                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
+                f"num_external_computed_tokens={num_external_computed_tokens}"
+            )
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
+            raise ValueError("allocate_slots needs new tokens or computed tokens to adopt")
+        coordinator = self.coordinator
+        request_id = request.request_id
+        if request.num_computed_tokens and not coordinator.is_allocated(request_id):
+            raise ValueError(
+                f"request {request_id!r} is unknown to the KV cache manager: it claims "
+                f"{request.num_computed_tokens} computed tokens but holds no blocks"
+            )
+        hit_blocks = (
+            new_computed_blocks.blocks
+            if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
+        )
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
+
+        if full_sequence_must_fit:
+            num_needed = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                min(request.num_tokens, self.max_model_len),
+                hit_blocks,
+                total_computed,
+                apply_admission_cap=True,
+            )
+            if num_needed > self.block_pool.get_num_free_blocks():
+                return None
+
+        num_tokens_need_slot = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        # Free out-of-window blocks before counting: they make room for this allocation.
+        coordinator.remove_skipped_blocks(request_id, total_computed)
+        num_needed = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hit_blocks, total_computed
+        )
+        if num_needed > self.block_pool.get_num_free_blocks():
+            return None
+        if new_computed_blocks is not None or num_external_computed_tokens:
+            coordinator.allocate_new_computed_blocks(
+                request_id, hit_blocks, num_local_computed, num_external_computed_tokens
+            )
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
+        if not delay_cache_blocks:
+            # Safe at schedule time: a block's KV is written in this step's forward pass, before
+            # any later step can read it through a prefix hit.
+            coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: KVCacheRequest) -> None:
+        """Release the request's blocks (cached ones stay findable until reused)."""
+        if not self.coordinator.is_allocated(request.request_id):
+            raise ValueError(
+                f"request {request.request_id!r} holds no KV cache blocks (freed twice?)"
+            )
+        self.coordinator.free(request.request_id)
+
+    def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
+        """Index the request's full blocks among its first ``num_computed_tokens`` tokens (used
+        after a delayed, connector-loaded allocation has landed)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def is_allocated(self, request_id: str) -> bool:
+        return self.coordinator.is_allocated(request_id)
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, plus: each block's ``ref_cnt`` equals the number of request
+        block tables (over all groups) that hold it."""
+        self.block_pool.check_integrity()
+        holders = [0] * self.block_pool.num_blocks
+        for manager in self.coordinator.single_type_managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                assert manager.num_cached_block.get(request_id, 0) <= len(blocks)
+                for block in blocks:
+                    if not block.is_null:
+                        holders[block.block_id] += 1
+        for block in self.block_pool.blocks[1:]:
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
+            )
