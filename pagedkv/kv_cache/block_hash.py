@@ -40,7 +40,8 @@ def get_hash_fn(algo: str) -> HashFn:
         return HASH_FUNCTIONS[algo]
     except KeyError:
         raise ValueError(
-            f"unknown prefix caching hash algorithm {algo!r}; choose one of {sorted(HASH_FUNCTIONS)}"
+            f"unknown prefix caching hash algorithm {algo!r}; "
+            f"choose one of {sorted(HASH_FUNCTIONS)}"
         ) from None
 
 
@@ -94,13 +95,13 @@ class BlockHasher:
         parent = block_hashes[-1] if start else self.root_hash
         hash_fn = self.hash_fn
         step = bs * 4
-        pos = 0
+        first = 0
         if start == 0 and cache_salt is not None:
             parent = hash_fn(parent + data[:step] + _encode_extra_key(b"s", cache_salt) + adapter)
             block_hashes.append(parent)
-            pos = step
+            first = step
         append = block_hashes.append
-        for pos in range(pos, len(data), step):
+        for pos in range(first, len(data), step):
             parent = hash_fn(parent + data[pos : pos + step] + adapter)
             append(parent)
 
