@@ -234,6 +234,7 @@ class KVCacheManager:
                     if not block.is_null:
                         holders[block.block_id] += 1
         for block in self.block_pool.blocks[1:]:
-            assert block.ref_cnt == holders[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} holders"
+            num_holders = holders[block.block_id]
+            assert block.ref_cnt == num_holders, (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {num_holders} holders"
             )

@@ -44,7 +44,7 @@ class KVCacheSpec:
 
     @property
     def page_size_bytes(self) -> int:
-        """Bytes of one block of one layer: K and V, ``2 · block_size · heads · head_size · dtype``."""
+        """Bytes of one block of one layer, K and V: ``2·block_size·heads·head_size·dtype``."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
     def max_admission_blocks_per_request(

@@ -267,9 +267,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if cached is None:
                 num_contiguous = 0
                 continue
-            if num_contiguous == 0 and block_size != alignment_tokens:
-                if ((i + 1) * block_size) % alignment_tokens:
-                    continue
+            # A run's last block must end on an alignment boundary.
+            if num_contiguous == 0 and ((i + 1) * block_size) % alignment_tokens:
+                continue
             for blocks, block in zip(computed, cached):
                 blocks[i] = block
             num_contiguous += 1
