@@ -1,0 +1,101 @@
+"""Torch reference of the paged KV cache write and read; the CPU production path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write the step's keys and values into their slots.
+
+    key, value: ``[num_tokens, num_kv_heads, head_size]``; kv_cache:
+    ``[2, num_blocks, block_size, num_kv_heads, head_size]``. Slot ``s`` is offset
+    ``s % block_size`` of block ``s // block_size``, i.e. row ``s`` of the cache viewed as
+    ``[2, num_blocks * block_size, num_kv_heads, head_size]``.
+    """
+    slots = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    slots[0].index_copy_(0, slot_mapping, key)
+    slots[1].index_copy_(0, slot_mapping, value)
+
+
+class GatherBuffer:
+    """A growable scratch buffer for the blocks gathered by one layer at a time.
+
+    Gathering into a fresh tensor each layer costs more than the attention itself on CPU (the
+    allocator maps and faults in tens of MB per call), so the buffer is kept and reused.
+    Not thread-safe: one buffer per model runner.
+    """
+
+    __slots__ = ("_storage",)
+
+    def __init__(self) -> None:
+        self._storage: torch.Tensor | None = None
+
+    def gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Return ``kv_cache[:, block_ids]`` as ``[2, len(block_ids) * block_size, H, D]``."""
+        num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
+        block_numel = block_size * num_kv_heads * head_size
+        numel = 2 * block_ids.numel() * block_numel
+        storage = self._storage
+        if (
+            storage is None
+            or storage.numel() < numel
+            or storage.dtype != kv_cache.dtype
+            or storage.device != kv_cache.device
+        ):
+            storage = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._storage = storage
+        out = storage[:numel].view(2, block_ids.numel(), block_numel)
+        torch.index_select(kv_cache.view(2, num_blocks, block_numel), 1, block_ids, out=out)
+        return out.view(2, block_ids.numel() * block_size, num_kv_heads, head_size)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    buffer: GatherBuffer | None = None,
+) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention of a mixed varlen batch over the paged cache.
+
+    query: ``[num_tokens, num_heads, head_size]`` with ``num_heads`` a multiple of the cache's
+    ``num_kv_heads`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
+    Keys and values are read only through the block table. All decodes go through one padded
+    SDPA call; each prefill chunk gets its own.
+    """
+    buffer = buffer if buffer is not None else GatherBuffer()
+    out = torch.empty_like(query)
+    decode = metadata.decode_batch
+    if decode is not None:
+        num_decodes = decode.token_indices.numel()
+        kv = buffer.gather(kv_cache, decode.block_ids)
+        kv = kv.view(2, num_decodes, -1, *kv.shape[-2:]).transpose(2, 3)
+        decode_out = F.scaled_dot_product_attention(
+            query[decode.token_indices].unsqueeze(2),
+            kv[0],
+            kv[1],
+            attn_mask=decode.key_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[decode.token_indices] = decode_out.squeeze(2)
+    for chunk in metadata.prefill_chunks:
+        kv = buffer.gather(kv_cache, chunk.block_ids)
+        kv = kv[:, chunk.key_offset : chunk.key_offset + chunk.num_keys].transpose(1, 2)
+        chunk_out = F.scaled_dot_product_attention(
+            query[chunk.token_start : chunk.token_end].transpose(0, 1),
+            kv[0],
+            kv[1],
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.token_start : chunk.token_end] = chunk_out.transpose(0, 1)
+    return out

@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    paged_attention,
+    reshape_and_cache,
+)
+
+NULL_BLOCK = 0
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_query: int, window: int | None
+) -> torch.Tensor:
+    """Reference for one request: q [n, Hq, D] at positions first_query…; k, v [seq, Hk, D]."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    query_pos = torch.arange(first_query, first_query + q.shape[0])[:, None]
+    key_pos = torch.arange(k.shape[0])[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+def slots_of(block_row: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    return block_row[positions // block_size] * block_size + positions % block_size
+
+
+def run_case(
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    window: int | None,
+    seed: int,
+) -> None:
+    """requests: (num_computed_tokens, num_scheduled_tokens) per request, in batch order."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    max_blocks = max(math.ceil((c + n) / block_size) for c, n in requests) + 2
+    num_blocks = 1 + sum(math.ceil((c + n) / block_size) for c, n in requests) + 5
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache[:, NULL_BLOCK] = float("nan")
+
+    free_blocks = list(rng.permutation(np.arange(1, num_blocks)))
+    block_table = np.zeros((len(requests), max_blocks), dtype=np.int32)
+    dense_k, dense_v, queries, prefix_slots, new_slots = [], [], [], [], []
+    for row, (computed, scheduled) in enumerate(requests):
+        seq_len = computed + scheduled
+        needed = math.ceil(seq_len / block_size)
+        block_table[row, :needed] = [free_blocks.pop() for _ in range(needed)]
+        # Stale entries past the request's blocks must never be read either.
+        block_table[row, needed:] = NULL_BLOCK
+        if window is not None:
+            first_visible = max(computed - window + 1, 0)
+            block_table[row, : first_visible // block_size] = NULL_BLOCK
+        else:
+            first_visible = 0
+        k = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_size, generator=gen)
+        dense_k.append(k)
+        dense_v.append(v)
+        queries.append(torch.randn(scheduled, num_heads, head_size, generator=gen))
+        # The prefix was written by earlier steps; positions that left the window were freed.
+        kept = np.arange(first_visible // block_size * block_size, computed)
+        prefix_slots.append((row, kept, slots_of(block_table[row], kept, block_size)))
+        new_slots.append(slots_of(block_table[row], np.arange(computed, seq_len), block_size))
+
+    for row, kept, slots in prefix_slots:
+        reshape_and_cache(dense_k[row][kept], dense_v[row][kept], kv_cache, torch.from_numpy(slots))
+    query_lens = [n for _, n in requests]
+    metadata = AttentionMetadata.from_numpy(
+        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]),
+        seq_lens=np.array([c + n for c, n in requests]),
+        block_table=block_table,
+        slot_mapping=np.concatenate(new_slots),
+        block_size=block_size,
+        sliding_window=window,
+    )
+    step_k = torch.cat([k[c:] for k, (c, _) in zip(dense_k, requests, strict=True)])
+    step_v = torch.cat([v[c:] for v, (c, _) in zip(dense_v, requests, strict=True)])
+    reshape_and_cache(step_k, step_v, kv_cache, metadata.slot_mapping)
+
+    scale = 1 / math.sqrt(head_size)
+    out = paged_attention(torch.cat(queries), kv_cache, metadata, scale)
+    expected = torch.cat(
+        [
+            dense_attention(q, k, v, computed, window)
+            for q, k, v, (computed, _) in zip(queries, dense_k, dense_v, requests, strict=True)
+        ]
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+    backend = get_attention_backend("torch")
+    for _ in range(2):  # the second call reuses the backend's gather buffer
+        torch.testing.assert_close(
+            backend.forward(torch.cat(queries), kv_cache, metadata, scale), out
+        )
+
+
+MIXED = [(37, 1), (0, 23), (45, 19), (130, 1), (0, 1), (3, 1), (64, 40), (1, 1)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 5, 16, 40, 1000])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_mixed_batch_matches_dense(
+    block_size: int, window: int | None, heads: tuple[int, int]
+) -> None:
+    order = np.random.default_rng(block_size).permutation(len(MIXED))
+    run_case([MIXED[i] for i in order], *heads, 32, block_size, window, seed=block_size)
+
+
+@pytest.mark.parametrize("window", [None, 7, 100])
+def test_decode_only_batch(window: int | None) -> None:
+    rng = np.random.default_rng(0)
+    requests = [(int(c), 1) for c in rng.integers(1, 300, size=24)]
+    run_case(requests, 8, 4, 16, 16, window, seed=1)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_single_prefill_from_zero(window: int | None) -> None:
+    run_case([(0, 77)], 6, 2, 16, 16, window, seed=2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    num_kv_heads = int(rng.choice([1, 2, 4]))
+    num_heads = num_kv_heads * int(rng.choice([1, 2, 3]))
+    requests = [
+        (int(rng.integers(0, 200)), int(rng.choice([1, 1, rng.integers(2, 60)])))
+        for _ in range(int(rng.integers(1, 10)))
+    ]
+    window = [None, int(rng.integers(1, 120))][seed % 2]
+    run_case(requests, num_heads, num_kv_heads, 8 * int(rng.integers(1, 5)), 16, window, seed)
+
+
+def test_reshape_and_cache_writes_exact_slots() -> None:
+    kv_cache = torch.zeros(2, 4, 8, 2, 3)
+    key = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3) + 1
+    value = -key
+    reshape_and_cache(key, value, kv_cache, torch.tensor([13, 30]))
+    torch.testing.assert_close(kv_cache[0, 1, 5], key[0])
+    torch.testing.assert_close(kv_cache[1, 3, 6], value[1])
+    assert kv_cache.count_nonzero() == 2 * key.numel()
+
+
+def test_unknown_backend_lists_available() -> None:
+    with pytest.raises(ValueError, match=r"'triton-nope'.*available: torch"):
+        get_attention_backend("triton-nope")
