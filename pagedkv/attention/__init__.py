@@ -6,13 +6,13 @@ from pagedkv.attention.backends import (
     get_attention_backend,
 )
 from pagedkv.attention.forward_context import ForwardContext
-from pagedkv.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from pagedkv.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
 from pagedkv.attention.paged_attention import GatherBuffer, paged_attention, reshape_and_cache
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
-    "DecodeBatch",
+    "DecodeBucket",
     "ForwardContext",
     "GatherBuffer",
     "PrefillChunk",

@@ -7,20 +7,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+# A decode joins a bucket while it needs at least this fraction of the bucket's largest block
+# count, so padding wastes at most a quarter of what a bucket gathers.
+_DECODE_BUCKET_FILL = 0.75
+
 
 @dataclass(slots=True)
-class DecodeBatch:
-    """All requests with a single query token, attended to in one padded, vectorised call.
+class DecodeBucket:
+    """Requests with a single query token and similar context lengths, attended to in one padded,
+    vectorised call.
 
-    Row ``r`` reads ``num_blocks`` blocks starting at the first block its window needs; a row
-    that needs fewer blocks repeats its own last block, which ``key_mask`` hides. Block 0 (the
-    null block) is never read unless the block table really maps a visible key to it.
+    Every row reads ``num_blocks`` blocks (the bucket's largest count) starting at the first
+    block its window needs; a row that needs fewer repeats its own last block, which ``key_mask``
+    hides. So a block the window skipped (possibly the null block 0) is never read.
     """
 
-    token_indices: torch.Tensor  # int64 [num_decodes]: row of each query in the flat batch
-    block_ids: torch.Tensor  # int32 [num_decodes * num_blocks]: physical blocks to gather
-    num_blocks: int  # blocks gathered per row
-    key_mask: torch.Tensor  # bool [num_decodes, 1, 1, num_blocks * block_size]
+    token_indices: torch.Tensor  # int64 [num_rows]: row of each query in the flat batch
+    block_ids: torch.Tensor  # int32 [num_rows * num_blocks]: physical blocks to gather
+    key_mask: torch.Tensor  # bool [num_rows, 1, 1, num_blocks * block_size]
 
 
 @dataclass(slots=True)
@@ -54,8 +58,10 @@ class AttentionMetadata:
                                          |---------|  keys seen: (6, 10]
                     |--skipped-| block 0 of the table may be the null block: never read
 
-    ``decode_batch`` and ``prefill_chunks`` are derived from the host copies once per step in
-    ``__post_init__``, because every layer of the group reads them.
+    ``decode_buckets`` and ``prefill_chunks`` are derived from the host copies once per step in
+    ``__post_init__``, because every layer of the group reads them. Decodes are bucketed by
+    context length: padding every decode to the longest context would gather (and attend over)
+    up to twice the keys on a typical mixed batch.
     """
 
     num_actual_tokens: int
@@ -69,12 +75,12 @@ class AttentionMetadata:
     sliding_window: int | None
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
-    decode_batch: DecodeBatch | None = field(init=False, repr=False)
+    decode_buckets: list[DecodeBucket] = field(init=False, repr=False)
     prefill_chunks: list[PrefillChunk] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         query_lens = np.diff(self.query_start_loc_cpu)
-        self.decode_batch = self._build_decode_batch(np.flatnonzero(query_lens == 1))
+        self.decode_buckets = self._build_decode_buckets(np.flatnonzero(query_lens == 1))
         self.prefill_chunks = [
             self._build_prefill_chunk(int(i)) for i in np.flatnonzero(query_lens > 1)
         ]
@@ -114,12 +120,30 @@ class AttentionMetadata:
             return np.zeros_like(first_query_positions)
         return np.maximum(first_query_positions - self.sliding_window + 1, 0)
 
-    def _build_decode_batch(self, rows: np.ndarray) -> DecodeBatch | None:
-        if rows.size == 0:
-            return None
-        block_size = self.block_size
+    def _build_decode_buckets(self, rows: np.ndarray) -> list[DecodeBucket]:
         seq_lens = self.seq_lens_cpu[rows].astype(np.int64)
         first_keys = self._first_key_positions(seq_lens - 1)
+        num_blocks = (seq_lens - 1) // self.block_size - first_keys // self.block_size + 1
+        order = np.argsort(-num_blocks, kind="stable")
+        buckets = []
+        start = 0
+        for end in range(1, len(order) + 1):
+            fits = (
+                end < len(order)
+                and num_blocks[order[end]] >= _DECODE_BUCKET_FILL * num_blocks[order[start]]
+            )
+            if not fits:
+                members = order[start:end]
+                buckets.append(
+                    self._build_decode_bucket(rows[members], seq_lens[members], first_keys[members])
+                )
+                start = end
+        return buckets
+
+    def _build_decode_bucket(
+        self, rows: np.ndarray, seq_lens: np.ndarray, first_keys: np.ndarray
+    ) -> DecodeBucket:
+        block_size = self.block_size
         first_blocks = first_keys // block_size
         last_blocks = (seq_lens - 1) // block_size
         num_blocks = int((last_blocks - first_blocks).max()) + 1
@@ -130,12 +154,10 @@ class AttentionMetadata:
         block_ids = self.block_table[
             torch.from_numpy(rows).to(device)[:, None], torch.from_numpy(columns).to(device)
         ]
-        return DecodeBatch(
-            token_indices=torch.from_numpy(self.query_start_loc_cpu[rows].astype(np.int64)).to(
-                device
-            ),
+        token_indices = self.query_start_loc_cpu[rows].astype(np.int64)
+        return DecodeBucket(
+            token_indices=torch.from_numpy(token_indices).to(device),
             block_ids=block_ids.reshape(-1),
-            num_blocks=num_blocks,
             key_mask=torch.from_numpy(key_mask[:, None, None, :]).to(device),
         )
 

@@ -66,36 +66,36 @@ def paged_attention(
 
     query: ``[num_tokens, num_heads, head_size]`` with ``num_heads`` a multiple of the cache's
     ``num_kv_heads`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
-    Keys and values are read only through the block table. All decodes go through one padded
-    SDPA call; each prefill chunk gets its own.
+    Keys and values are read only through the block table. Each bucket of decodes goes through
+    one padded SDPA call, each prefill chunk through its own. Inputs are 4-D so that CPU SDPA
+    picks its flash kernel (3-D inputs fall back to the much slower math path).
     """
     buffer = buffer if buffer is not None else GatherBuffer()
     out = torch.empty_like(query)
-    decode = metadata.decode_batch
-    if decode is not None:
-        num_decodes = decode.token_indices.numel()
-        kv = buffer.gather(kv_cache, decode.block_ids)
-        kv = kv.view(2, num_decodes, -1, *kv.shape[-2:]).transpose(2, 3)
-        decode_out = F.scaled_dot_product_attention(
-            query[decode.token_indices].unsqueeze(2),
+    for bucket in metadata.decode_buckets:
+        num_rows = bucket.token_indices.numel()
+        kv = buffer.gather(kv_cache, bucket.block_ids)
+        kv = kv.view(2, num_rows, -1, *kv.shape[-2:]).transpose(2, 3)
+        bucket_out = F.scaled_dot_product_attention(
+            query[bucket.token_indices].unsqueeze(2),
             kv[0],
             kv[1],
-            attn_mask=decode.key_mask,
+            attn_mask=bucket.key_mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[decode.token_indices] = decode_out.squeeze(2)
+        out[bucket.token_indices] = bucket_out.squeeze(2)
     for chunk in metadata.prefill_chunks:
         kv = buffer.gather(kv_cache, chunk.block_ids)
         kv = kv[:, chunk.key_offset : chunk.key_offset + chunk.num_keys].transpose(1, 2)
         chunk_out = F.scaled_dot_product_attention(
-            query[chunk.token_start : chunk.token_end].transpose(0, 1),
-            kv[0],
-            kv[1],
+            query[chunk.token_start : chunk.token_end].transpose(0, 1).unsqueeze(0),
+            kv[0].unsqueeze(0),
+            kv[1].unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=scale,
             enable_gqa=True,
         )
-        out[chunk.token_start : chunk.token_end] = chunk_out.transpose(0, 1)
+        out[chunk.token_start : chunk.token_end] = chunk_out[0].transpose(0, 1)
     return out

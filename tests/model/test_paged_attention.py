@@ -45,7 +45,7 @@ def run_case(
     block_size: int,
     window: int | None,
     seed: int,
-) -> None:
+) -> AttentionMetadata:
     """requests: (num_computed_tokens, num_scheduled_tokens) per request, in batch order."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -109,6 +109,7 @@ def run_case(
         torch.testing.assert_close(
             backend.forward(torch.cat(queries), kv_cache, metadata, scale), out
         )
+    return metadata
 
 
 MIXED = [(37, 1), (0, 23), (45, 19), (130, 1), (0, 1), (3, 1), (64, 40), (1, 1)]
@@ -128,7 +129,10 @@ def test_mixed_batch_matches_dense(
 def test_decode_only_batch(window: int | None) -> None:
     rng = np.random.default_rng(0)
     requests = [(int(c), 1) for c in rng.integers(1, 300, size=24)]
-    run_case(requests, 8, 4, 16, 16, window, seed=1)
+    metadata = run_case(requests, 8, 4, 16, 16, window, seed=1)
+    buckets = metadata.decode_buckets
+    assert len(buckets) > 1  # contexts 1…300 do not share one padded call
+    assert sorted(torch.cat([b.token_indices for b in buckets]).tolist()) == list(range(24))
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -1,0 +1,196 @@
+"""Next-token sampling over a batch of logits, with vLLM V1 semantics.
+
+Order of operations: raw logprobs (if asked) → penalties → greedy argmax → temperature →
+min_p → top_k / top_p → one exponential-race draw per row. Values are validated upstream
+(``SamplingParams``), not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling parameters for ``N`` rows of logits.
+
+    An optional tensor left as None means "off on every row" and skips that step entirely.
+    Penalties need ``output_token_ids`` (and ``prompt_token_ids`` for the repetition penalty):
+    repetition applies to prompt + output tokens, presence and frequency to output tokens only.
+    Rows in ``generators`` draw their noise only from their own generator, so a seeded request
+    samples the same tokens whatever else is in the batch.
+    """
+
+    temperature: torch.Tensor  # float32 [N]; 0 = greedy
+    top_k: torch.Tensor | None = None  # int64 [N]; 0 = off
+    top_p: torch.Tensor | None = None  # float32 [N]; 1 = off
+    min_p: torch.Tensor | None = None  # float32 [N]; 0 = off
+    repetition_penalties: torch.Tensor | None = None  # float32 [N]; 1 = off
+    presence_penalties: torch.Tensor | None = None  # float32 [N]; 0 = off
+    frequency_penalties: torch.Tensor | None = None  # float32 [N]; 0 = off
+    prompt_token_ids: list[Sequence[int]] | None = None
+    output_token_ids: list[Sequence[int]] | None = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
+    max_num_logprobs: int | None = None  # top-k logprobs per row; 0 = sampled token's only
+
+    @property
+    def greedy_rows(self) -> torch.Tensor:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalties is not None
+            or self.presence_penalties is not None
+            or self.frequency_penalties is not None
+        )
+
+
+class LogprobsTensors(NamedTuple):
+    """Column 0 is the sampled (or actual prompt) token, then the top ``k`` tokens."""
+
+    token_ids: torch.Tensor  # int64 [N, 1 + k]
+    logprobs: torch.Tensor  # float32 [N, 1 + k]
+    ranks: torch.Tensor  # int64 [N]: rank of column 0's token, 1 = most likely
+
+
+class SamplerOutput(NamedTuple):
+    sampled_token_ids: torch.Tensor  # int64 [N]
+    logprobs: LogprobsTensors | None
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified."""
+    num_logprobs = metadata.max_num_logprobs
+    raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)
+    if metadata.has_penalties:
+        logits = apply_penalties(logits, metadata)
+    greedy_rows = metadata.greedy_rows
+    if bool(greedy_rows.all()):
+        sampled = logits.argmax(dim=-1)
+    else:
+        sampled = _sample_random(logits, metadata, greedy_rows)
+        if bool(greedy_rows.any()):
+            sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+    if raw_logprobs is None:
+        return SamplerOutput(sampled, None)
+    return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, num_logprobs))
+
+
+def _sample_random(
+    logits: torch.Tensor, metadata: SamplingMetadata, greedy_rows: torch.Tensor
+) -> torch.Tensor:
+    temperature = torch.where(greedy_rows, 1.0, metadata.temperature)
+    logits = logits / temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1)
+    # argmax(p / q) with q ~ Exp(1) i.i.d. draws index i with probability p_i.
+    noise = torch.empty_like(probs)
+    if len(metadata.generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in metadata.generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """``counts[i, t]`` = occurrences of token ``t`` in ``token_ids[i]``, as float32."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = np.full((len(token_ids), width), vocab_size, dtype=np.int64)
+    for row, ids in enumerate(token_ids):
+        padded[row, : len(ids)] = ids
+    counts = torch.zeros(len(token_ids), vocab_size + 1)
+    counts.scatter_add_(1, torch.from_numpy(padded), torch.ones(padded.shape))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition divides positive / multiplies negative logits of every prompt or output token;
+    then ``logit -= frequency * count_in_output + presence * (count_in_output > 0)``."""
+    num_rows, vocab_size = logits.shape
+    output_ids = metadata.output_token_ids or [[] for _ in range(num_rows)]
+    output_counts = _token_counts(output_ids, vocab_size).to(logits.device)
+    if metadata.repetition_penalties is not None:
+        seen = output_counts > 0
+        if metadata.prompt_token_ids is not None:
+            seen |= _token_counts(metadata.prompt_token_ids, vocab_size).to(logits.device) > 0
+        penalty = metadata.repetition_penalties.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if metadata.frequency_penalties is not None:
+        logits = logits - metadata.frequency_penalties.unsqueeze(1) * output_counts
+    if metadata.presence_penalties is not None:
+        logits = logits - metadata.presence_penalties.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p * max_probability`` of their row."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the ``k`` highest logits (ties at the k-th value kept), then the smallest set of
+    most likely tokens whose probability reaches ``p`` (the most likely token always stays)."""
+    vocab_size = logits.shape[-1]
+    if top_p is None:
+        assert top_k is not None
+        return _apply_top_k_only(logits, top_k.clamp(max=vocab_size))
+    sorted_logits, order = logits.sort(dim=-1)
+    if top_k is not None:
+        top_k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        kth_value = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    # Ascending order: drop the prefix whose cumulative probability stays within 1 - p.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    dropped = cumulative <= 1 - top_p.unsqueeze(1)
+    dropped[:, -1] = False
+    sorted_logits.masked_fill_(dropped, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k without sorting the vocabulary: one ``topk`` of the largest ``k`` in the batch."""
+    max_k = int(top_k.max())
+    if max_k <= 0:
+        return logits
+    top_values = logits.topk(max_k, dim=-1).values
+    kth_value = top_values.gather(1, (top_k.clamp(min=1) - 1).unsqueeze(1))
+    kth_value.masked_fill_((top_k <= 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth_value, float("-inf"))
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprob and rank of ``token_ids[i]`` in row ``i``, plus the row's top ``num_logprobs``."""
+    token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    ids, values = token_ids.unsqueeze(1), token_logprobs
+    if num_logprobs > 0:
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        ids, values = torch.cat((ids, top_ids), dim=1), torch.cat((values, top_values), dim=1)
+    return LogprobsTensors(ids, values, ranks)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Prompt logprobs: row ``j`` of ``logits`` is the model's output at prompt position ``j``,
+    ``next_token_ids[j]`` the prompt token at position ``j + 1`` (so a prompt of ``n`` tokens
+    gives ``n - 1`` rows). Raw log-softmax, as for sampled tokens."""
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), next_token_ids, num_logprobs)

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.model.sampler import (
+    SamplingMetadata,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    compute_prompt_logprobs,
+    sample,
+)
+
+VOCAB = 50
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+INF = float("inf")
+
+
+def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def full(num_rows: int, value: float) -> torch.Tensor:
+    return torch.full((num_rows,), value)
+
+
+def sampled_set(metadata_kwargs: dict[str, object], num_rows: int = 4000) -> torch.Tensor:
+    """Sample ``num_rows`` times from PROBS with the given filters; return per-token counts."""
+    logits = PROBS.log().expand(num_rows, -1).contiguous()
+    metadata = SamplingMetadata(temperature=full(num_rows, 1.0), **metadata_kwargs)
+    torch.manual_seed(0)
+    return torch.bincount(sample(logits, metadata).sampled_token_ids, minlength=len(PROBS))
+
+
+def test_greedy_is_exact_argmax() -> None:
+    logits = random_logits(16)
+    out = sample(logits, SamplingMetadata(temperature=full(16, 0.0)))
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.logprobs is None
+
+
+def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
+    logits = random_logits(8)
+    temperature = torch.tensor([0.0, 1.5, 0.0, 0.7, 0.0, 2.0, 0.0, 1.0])
+    for seed in range(5):
+        torch.manual_seed(seed)
+        sampled = sample(logits, SamplingMetadata(temperature=temperature)).sampled_token_ids
+        greedy = temperature == 0
+        assert torch.equal(sampled[greedy], logits.argmax(-1)[greedy])
+
+
+def test_top_k_one_is_argmax() -> None:
+    logits = random_logits(32)
+    metadata = SamplingMetadata(temperature=full(32, 1.3), top_k=torch.ones(32, dtype=torch.int64))
+    for seed in range(5):
+        torch.manual_seed(seed)
+        assert torch.equal(sample(logits, metadata).sampled_token_ids, logits.argmax(-1))
+
+
+def test_unfiltered_sampling_follows_the_distribution() -> None:
+    counts = sampled_set({}, num_rows=20000)
+    torch.testing.assert_close(counts / counts.sum(), PROBS, atol=0.015, rtol=0)
+
+
+def test_temperature_sharpens() -> None:
+    logits = PROBS.log().expand(20000, -1).contiguous()
+    torch.manual_seed(0)
+    sampled = sample(logits, SamplingMetadata(temperature=full(20000, 0.5))).sampled_token_ids
+    expected = PROBS**2 / (PROBS**2).sum()
+    freq = torch.bincount(sampled, minlength=4) / 20000
+    torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "allowed"),
+    [
+        ({"top_k": full(4000, 2).long()}, [0, 1]),
+        ({"top_p": full(4000, 0.7)}, [0, 1]),  # 0.5 < 0.7 <= 0.5 + 0.3
+        ({"top_p": full(4000, 0.85)}, [0, 1, 2]),
+        ({"min_p": full(4000, 0.5)}, [0, 1]),  # threshold 0.25
+        ({"min_p": full(4000, 0.2)}, [0, 1, 2]),  # threshold 0.1
+        ({"top_k": full(4000, 3).long(), "top_p": full(4000, 0.6)}, [0, 1]),
+        ({"top_k": full(4000, 0).long(), "top_p": full(4000, 1.0)}, [0, 1, 2, 3]),
+    ],
+)
+def test_filters_keep_exactly_the_allowed_tokens(
+    kwargs: dict[str, object], allowed: list[int]
+) -> None:
+    counts = sampled_set(kwargs)
+    assert counts.nonzero().flatten().tolist() == allowed
+
+
+def test_filter_masks_per_row() -> None:
+    logits = PROBS.log().expand(3, -1).contiguous()
+    masked = apply_top_k_top_p(logits, torch.tensor([1, 0, 3]), None)
+    assert masked.isfinite().tolist() == [
+        [True, False, False, False],
+        [True, True, True, True],
+        [True, True, True, False],
+    ]
+    masked = apply_top_k_top_p(logits, None, torch.tensor([0.4, 0.75, 1.0]))
+    assert masked.isfinite().sum(-1).tolist() == [1, 2, 4]
+    torch.testing.assert_close(masked[2], logits[2])
+    masked = apply_min_p(logits, torch.tensor([0.0, 0.5, 0.9]))
+    assert masked.isfinite().sum(-1).tolist() == [4, 2, 1]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    def draws(batch_rows: int, row: int, seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        tokens = []
+        for step in range(12):
+            logits = random_logits(batch_rows, seed=100 + step)
+            logits[row] = random_logits(1, seed=step)[0]
+            temperature = torch.linspace(0.5, 1.5, batch_rows)
+            temperature[row] = 1.0
+            metadata = SamplingMetadata(temperature=temperature, generators={row: generator})
+            tokens.append(int(sample(logits, metadata).sampled_token_ids[row]))
+        return tokens
+
+    alone = draws(1, 0, seed=7)
+    assert draws(5, 3, seed=7) == alone
+    assert draws(9, 0, seed=7) == alone
+    assert draws(5, 3, seed=8) != alone
+
+
+def test_penalties_match_hand_computed_values() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    metadata = SamplingMetadata(
+        temperature=full(2, 0.0),
+        repetition_penalties=torch.tensor([2.0, 1.0]),
+        presence_penalties=torch.tensor([0.5, 0.25]),
+        frequency_penalties=torch.tensor([0.1, 1.0]),
+        prompt_token_ids=[[1, 1], [4]],
+        output_token_ids=[[0, 0, 3], [2, 2, 2]],
+    )
+    penalized = apply_penalties(logits, metadata)
+    expected = torch.tensor(
+        [
+            # row 0: repetition on {0, 1, 3} (prompt 1; output 0 twice and 3 once)
+            [2.0 / 2 - 0.1 * 2 - 0.5, -1.0 * 2, 0.5, -3.0 * 2 - 0.1 - 0.5, 1.0],
+            # row 1: prompt tokens get no presence/frequency penalty
+            [1.0, 1.0, 1.0 - 1.0 * 3 - 0.25, 1.0, 1.0],
+        ]
+    )
+    torch.testing.assert_close(penalized, expected)
+    assert torch.equal(sample(logits, metadata).sampled_token_ids, expected.argmax(-1))
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    logits = random_logits(6)
+    metadata = SamplingMetadata(
+        temperature=torch.tensor([0.0, 0.8, 1.0, 0.0, 2.0, 0.5]),
+        top_k=torch.tensor([0, 5, 0, 0, 2, 0]),
+        frequency_penalties=full(6, 0.5),
+        output_token_ids=[[1, 2], [3], [], [4, 4], [0], [7]],
+        max_num_logprobs=3,
+    )
+    out = sample(logits, metadata)
+    assert out.logprobs is not None
+    raw = torch.log_softmax(logits, -1)
+    sampled = out.sampled_token_ids
+    assert torch.equal(out.logprobs.token_ids[:, 0], sampled)
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0], raw.gather(1, sampled[:, None])[:, 0])
+    top = raw.topk(3, dim=-1)
+    assert torch.equal(out.logprobs.token_ids[:, 1:], top.indices)
+    torch.testing.assert_close(out.logprobs.logprobs[:, 1:], top.values)
+    expected_ranks = (raw > raw.gather(1, sampled[:, None])).sum(-1) + 1
+    assert torch.equal(out.logprobs.ranks, expected_ranks)
+
+
+def test_zero_logprobs_returns_only_the_sampled_token() -> None:
+    out = sample(random_logits(3), SamplingMetadata(temperature=full(3, 0.0), max_num_logprobs=0))
+    assert out.logprobs is not None
+    assert out.logprobs.token_ids.shape == (3, 1)
+    assert out.logprobs.ranks.tolist() == [1, 1, 1]
+
+
+def test_prompt_logprobs() -> None:
+    logits = random_logits(4)
+    next_tokens = torch.tensor([3, 0, 49, 7])
+    result = compute_prompt_logprobs(logits, next_tokens, 2)
+    raw = torch.log_softmax(logits, -1)
+    assert result.token_ids[:, 0].tolist() == next_tokens.tolist()
+    torch.testing.assert_close(result.logprobs[:, 0], raw[torch.arange(4), next_tokens])
+    torch.testing.assert_close(result.logprobs[:, 1:], raw.topk(2, dim=-1).values)
+    expected_ranks = (raw > raw[torch.arange(4), next_tokens][:, None]).sum(-1) + 1
+    assert torch.equal(result.ranks, expected_ranks)
