@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""pagedkv's LLM.generate against transformers on the HF-peer workload, in one invocation.
+
+Workload and model come from the hf_peer anchor (``workload.py``: 64 prompts of 64-512 tokens,
+128 new tokens each, greedy, EOS ignored; ``make_tiny_llama.py``: a 19M-parameter Llama, seed
+1234). transformers runs through the anchor's own ``bench_hf.py`` functions: static ``generate``
+in left-padded batches of 16, and its continuous batching manager (a fresh one per run).
+fp32, 2 torch threads. Each timed run waits for a quiet machine and is rerun when other
+processes took more than ``--quiet-threshold`` of it (the anchor's method); medians reported.
+
+    python benchmarks/throughput.py --anchor-dir ../hf_peer             # ~4 min on a quiet box
+    python benchmarks/throughput.py --anchor-dir ../hf_peer --modes ours,static --runs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ANCHOR = os.path.join(HERE, "..", "..", "shared", "anchors", "hf_peer")
+
+
+def run_ours_single(llm, prompt: list[int], new_tokens: int) -> dict:
+    """TTFT and inter-token times of one request, from the engine's own step loop."""
+    from pagedkv import SamplingParams
+
+    engine = llm.llm_engine
+    t0 = time.perf_counter()
+    engine.add_request(
+        None, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    )
+    stamps: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            stamps.extend([time.perf_counter()] * (len(out.outputs[0].token_ids) - len(stamps)))
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return dict(
+        ttft=stamps[0] - t0,
+        decode_per_token=(stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        itl_median=statistics.median(itl),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--anchor-dir", default=os.environ.get("PAGEDKV_HF_ANCHOR", DEFAULT_ANCHOR))
+    ap.add_argument(
+        "--model-dir",
+        default=None,
+        help="the tiny Llama (default: <anchor-dir>/tiny-llama, built if missing)",
+    )
+    ap.add_argument("--modes", default="ours,static,cb,single")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--quiet-threshold",
+        type=float,
+        default=0.05,
+        help="rerun a timed run when other processes used more than this share of "
+        "the machine during it (1.0 disables)",
+    )
+    ap.add_argument("--max-wait", type=float, default=300)
+    ap.add_argument("--retries", type=int, default=4)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+    anchor = os.path.abspath(args.anchor_dir)
+    if not os.path.exists(os.path.join(anchor, "bench_hf.py")):
+        sys.exit(
+            f"no bench_hf.py in {anchor}: pass --anchor-dir (a copy of shared/anchors/hf_peer)"
+        )
+    model_dir = os.path.abspath(args.model_dir or os.path.join(anchor, "tiny-llama"))
+    if not os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        subprocess.run(
+            [sys.executable, os.path.join(anchor, "make_tiny_llama.py"), model_dir], check=True
+        )
+    sys.path.insert(0, anchor)
+    import bench_hf  # noqa: E402  (the anchor's transformers benchmark)
+    import workload as wl  # noqa: E402
+
+    from pagedkv import LLM, SamplingParams
+
+    bench_hf.MODEL_DIR = model_dir
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    # bench_hf's continuous-batching settings, as recorded in the anchor's notes.
+    for key, value in dict(
+        cb_page_size=256,
+        cb_num_blocks=256,
+        cb_max_batch_tokens=2048,
+        cb_max_requests=None,
+        cb_reuse_manager=False,
+        cb_e2e=False,
+    ).items():
+        setattr(args, key, value)
+    modes = args.modes.split(",")
+    prompts = wl.throughput_requests()
+    assert wl.fingerprint() == "18a9b286baf78bea", "not the anchor's workload"
+    total_out = wl.NUM_REQUESTS * wl.MAX_NEW_TOKENS
+    results: dict = dict(
+        machine=dict(nproc=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads())
+    )
+    outputs: dict[str, list[list[int]]] = {}
+
+    def summarize(name: str, times: list[float]) -> None:
+        med = statistics.median(times)
+        results[name] = dict(times_s=times, median_s=med, out_tok_per_s=total_out / med)
+        print(
+            f"{name}: median {med:.2f}s, {total_out / med:.0f} output tok/s  runs={times}",
+            flush=True,
+        )
+
+    llm = None
+    if "ours" in modes or "single" in modes:
+        llm = LLM(model_dir, dtype="float32", device="cpu")
+    if "ours" in modes:
+        greedy = SamplingParams(temperature=0, max_tokens=wl.MAX_NEW_TOKENS, ignore_eos=True)
+        llm.generate(bench_hf.WARMUP_PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        times = []
+        for _ in range(args.runs):
+            # Every attempt starts with a cold prefix cache, like HF's fresh manager per run.
+            outs, cpu = bench_hf.measured(
+                lambda: llm.generate(prompts, greedy, use_tqdm=False),
+                args,
+                setup=lambda attempt: llm.llm_engine.reset_prefix_cache(),
+            )
+            times.append(cpu["wall_s"])
+        outputs["ours"] = [o.outputs[0].token_ids for o in outs]
+        summarize("pagedkv", times)
+    hf_model = None
+    if {"static", "cb", "single"} & set(modes):
+        hf_model = bench_hf.load_model("sdpa")
+    if "static" in modes:
+        bench_hf.run_static(hf_model, bench_hf.WARMUP_PROMPTS, 2, 4)
+        times = []
+        for _ in range(args.runs):
+            (dt, outs), _cpu = bench_hf.measured(
+                lambda: bench_hf.run_static(
+                    hf_model, prompts, wl.STATIC_BATCH_SIZE, wl.MAX_NEW_TOKENS
+                ),
+                args,
+            )
+            times.append(dt)
+        outputs["static"] = outs
+        summarize("hf_static", times)
+    if "cb" in modes:
+        r = bench_hf.bench_cb(hf_model, prompts, args)
+        outputs["cb"] = r["outs"]
+        summarize("hf_continuous_batching", r["times"])
+    if "single" in modes:
+        prompt = wl.single_request()
+        run_ours_single(llm, prompt, 8)
+        ours = [
+            bench_hf.measured(lambda: run_ours_single(llm, prompt, wl.MAX_NEW_TOKENS), args)[0]
+            for _ in range(args.runs)
+        ]
+        bench_hf.run_single(hf_model, prompt, 8)
+        theirs = [
+            bench_hf.measured(
+                lambda: bench_hf.run_single(hf_model, prompt, wl.MAX_NEW_TOKENS), args
+            )[0]
+            for _ in range(args.runs)
+        ]
+        for name, runs in (("pagedkv_single", ours), ("hf_single", theirs)):
+            results[name] = {
+                k: statistics.median(r[k] for r in runs) * 1e3
+                for k in ("ttft", "decode_per_token", "itl_median")
+            }
+            print(
+                f"{name}: TTFT {results[name]['ttft']:.1f} ms, "
+                f"{results[name]['decode_per_token']:.2f} ms/token",
+                flush=True,
+            )
+
+    print(
+        "\n== pagedkv vs transformers (tiny Llama 19M, fp32, "
+        f"{torch.get_num_threads()} threads, 64 requests x 128 new tokens)"
+    )
+    if "pagedkv" in results:
+        for peer in ("hf_static", "hf_continuous_batching"):
+            if peer in results:
+                ratio = results["pagedkv"]["out_tok_per_s"] / results[peer]["out_tok_per_s"]
+                results[f"ratio_vs_{peer}"] = ratio
+                print(
+                    f"output tok/s  pagedkv {results['pagedkv']['out_tok_per_s']:8.0f}   "
+                    f"{peer} {results[peer]['out_tok_per_s']:8.0f}   ratio {ratio:.2f}x"
+                )
+    if "pagedkv_single" in results:
+        ours, theirs = results["pagedkv_single"], results["hf_single"]
+        print(
+            f"single request: TTFT {ours['ttft']:.1f} ms vs {theirs['ttft']:.1f} ms, "
+            f"decode {ours['decode_per_token']:.2f} vs {theirs['decode_per_token']:.2f} ms/token"
+        )
+    if "ours" in outputs:
+        for peer in ("static", "cb"):
+            if peer in outputs:
+                same = sum(a == b for a, b in zip(outputs["ours"], outputs[peer]))
+                results[f"identical_to_{peer}"] = same
+                print(f"greedy outputs identical to transformers {peer}: {same}/64 requests")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

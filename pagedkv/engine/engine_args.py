@@ -1,0 +1,153 @@
+"""EngineArgs: every engine knob, named as in vLLM, with the CLI flags that set them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pagedkv
+
+DEFAULT_MODEL_PATH = Path(pagedkv.__file__).parent / "assets" / "default_model"
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"512MiB"``, ``"2GB"``, ``"1.5g"`` or a plain byte count."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxh3_128"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+    kv_transfer_config: dict | None = field(default=None)
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else DEFAULT_MODEL_PATH
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        g = parser.add_argument_group("engine")
+        help_model = "Hugging Face model directory (default: the built-in model)"
+        if model_positional:
+            g.add_argument("model", nargs="?", default=None, help=help_model)
+        else:
+            g.add_argument("--model", default=None, help=help_model)
+        g.add_argument(
+            "--tokenizer", default=None, help="tokenizer directory (default: the model's)"
+        )
+        g.add_argument(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)",
+        )
+        g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        g.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="context length (default: the model's max_position_embeddings)",
+        )
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        g.add_argument(
+            "--kv-cache-memory",
+            type=parse_size,
+            default=None,
+            help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+        )
+        g.add_argument(
+            "--num-gpu-blocks-override",
+            type=int,
+            default=None,
+            help="exact number of KV cache blocks (overrides --kv-cache-memory)",
+        )
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse the KV of shared prompt prefixes",
+        )
+        g.add_argument(
+            "--prefix-caching-hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"]
+        )
+        g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=8192,
+            help="token budget of one step (prefill chunks + decodes)",
+        )
+        g.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        )
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        g.add_argument(
+            "--attention-backend",
+            default=None,
+            choices=["torch", "triton"],
+            help="default: torch on CPU, triton on CUDA",
+        )
+        g.add_argument(
+            "--kv-transfer-config",
+            type=_json_dict,
+            default=None,
+            help="KV connector config as JSON, e.g. "
+            '\'{"kv_connector":"P2pConnector","kv_role":"kv_producer"}\'',
+        )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

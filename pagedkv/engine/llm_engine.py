@@ -1,0 +1,208 @@
+"""LLMEngine: tokenizes, schedules, runs the model and detokenizes, one step at a time.
+
+step(): Scheduler.schedule() -> ModelRunner.execute_model() -> Scheduler.update_from_output()
+        -> OutputProcessor (text, stop strings) -> RequestOutputs
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from pagedkv.engine.config import CacheConfig, SchedulerConfig
+from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_stats import SchedulerStats
+from pagedkv.kv_cache.block_hash import BlockHasher
+from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
+from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.utils import cdiv
+from pagedkv.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | dict
+
+
+def load_tokenizer(path):
+    """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts will work", path, e)
+        return None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        model_path = args.model_path
+        self.tokenizer = load_tokenizer(args.tokenizer or model_path)
+        self.model_runner = ModelRunner(args)
+        model_config = self.model_runner.model_config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = args.max_model_len or model_config.max_position_embeddings
+        self.eos_token_id = self.model_runner.eos_token_id
+        if self.eos_token_id is None and self.tokenizer is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+        )
+        self.cache_config = CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        )
+        layer_specs = self.model_runner.get_kv_cache_specs(args.block_size)
+        self.kv_cache_config = get_kv_cache_config(
+            layer_specs,
+            kv_cache_memory_bytes=self._kv_cache_budget(layer_specs),
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        )
+        self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_config,
+            self.max_model_len,
+            enable_caching=args.enable_prefix_caching,
+            max_in_flight_tokens=args.max_num_batched_tokens,
+        )
+        self.block_hasher = (
+            BlockHasher(
+                self.kv_cache_config.hash_block_size,
+                self.cache_config.prefix_caching_hash_algo,
+                self.cache_config.prefix_caching_hash_seed,
+            )
+            if args.enable_prefix_caching
+            else None
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+        logger.info(
+            "pagedkv engine: %s, %d KV cache blocks of %d tokens, max_model_len %d",
+            model_path,
+            self.kv_cache_config.num_blocks,
+            args.block_size,
+            self.max_model_len,
+        )
+
+    def _kv_cache_budget(self, layer_specs) -> int:
+        """Bytes for the KV cache: the configured budget, capped at what max_num_seqs full-length
+        requests could ever use (no point reserving more)."""
+        budget = self.model_runner.default_kv_cache_memory()
+        if self.args.kv_cache_memory is not None:
+            budget = self.args.kv_cache_memory
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_MEMORY
+        page_bytes = sum(spec.page_size_bytes for spec in layer_specs.values())
+        max_useful_blocks = self.args.max_num_seqs * cdiv(self.max_model_len, self.args.block_size)
+        return min(budget, (max_useful_blocks + 1) * page_bytes)
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        return f"req-{next(self._request_counter)}"
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> str:
+        """Validate and enqueue a request; returns its id. Bad input raises ValueError."""
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        max_tokens = self.max_model_len - len(token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_id=self.eos_token_id,
+            block_hasher=self.block_hasher,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request, text)
+        return request_id
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter, to leave room for at least one generated token"
+            )
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort requests, freeing their blocks at once; returns their final outputs."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        request_ids = list(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        outputs = [self.output_processor.abort_request(rid) for rid in request_ids]
+        return [o for o in outputs if o is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,80 @@
+"""Outputs: the scheduler's per-step deltas and the RequestOutput users receive."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.worker.model_runner_output import Logprobs
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's news from a step: new tokens and, when it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    new_prompt_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (``time.monotonic``) of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    #: Per generated token: ``{token_id: logprob}`` (the chosen token and the top-k).
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    #: Per prompt token: ``{token_id: logprob}``; None for the first token (no context).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
+    error: str | None = None

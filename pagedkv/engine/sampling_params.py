@@ -1,0 +1,116 @@
+"""SamplingParams: how one request samples and when it stops. Validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """vLLM's sampling parameters (the subset pagedkv implements).
+
+    ``temperature=0`` is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 disable those filters.
+    Penalties follow OpenAI/vLLM: presence and frequency act on output tokens, repetition on
+    prompt and output tokens. ``seed`` makes one request's sampling reproducible whatever else
+    is in the batch. ``max_tokens=None`` means up to the model's context length.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, requirement: str) -> None:
+            raise ValueError(f"{name} {requirement}, got {getattr(self, name)!r}")
+
+        if self.n != 1:
+            fail("n", "must be 1 (pagedkv returns one completion per request)")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            if not _is_number(getattr(self, name)):
+                fail(name, "must be a number")
+        if not self.temperature >= 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            fail("repetition_penalty", "must be > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "must be an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

@@ -1,0 +1,48 @@
+"""What the scheduler tells the worker each step (no policy left to decide, no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has no state for: new, or resumed after preemption (then
+    ``token_ids`` includes the outputs so far, which are recomputed like a prompt)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already holds: only its newly allocated blocks travel."""
+
+    req_id: str
+    new_block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    #: Tokens to compute this step per request, in batch order (running first, then new).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    #: Requests the worker must forget (finished or aborted since the last step).
+    finished_req_ids: set[str] = field(default_factory=set)
+    #: Requests preempted since the last step: their rows go, their sampling state stays.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: object | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

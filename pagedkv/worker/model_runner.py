@@ -1,0 +1,340 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+Per step, everything is built on the host with numpy from the persistent InputBatch and handed
+to torch once: flat token ids and positions, and per KV cache group the block table rows and the
+slot mapping. Only requests that reach the end of their known tokens are sampled (a prefill chunk
+that stops mid-prompt produces nothing); prefill and decode return the same result type.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedkv.attention.backends.registry import get_attention_backend
+from pagedkv.attention.forward_context import ForwardContext
+from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
+from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.model.config import ModelConfig
+from pagedkv.model.loader import load_model
+from pagedkv.model.sampler import (
+    LogprobsTensors,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    sample,
+)
+from pagedkv.utils import cdiv
+from pagedkv.worker.input_batch import CachedRequestState, InputBatch
+from pagedkv.worker.model_runner_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    Logprobs,
+    ModelRunnerOutput,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast without bf16 units); on GPU the checkpoint's
+    16-bit dtype, or bfloat16 for a float32 checkpoint."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
+
+
+def read_eos_token_id(model_path: Path, model_config_eos: int | list[int] | None) -> int | None:
+    """``generation_config.json``'s eos (what ``transformers.generate`` stops on), else config's."""
+    eos = model_config_eos
+    path = model_path / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id", eos)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
+    ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks
+    return [Logprobs(i, v, r) for i, v, r in zip(ids, values, ranks.tolist())]
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs) -> None:
+        self.device = resolve_device(args.device)
+        model_path = args.model_path
+        checkpoint = ModelConfig.from_pretrained(model_path)
+        self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.config
+        hf_eos = json.loads((model_path / "config.json").read_text()).get("eos_token_id")
+        self.eos_token_id = read_eos_token_id(model_path, hf_eos)
+        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.attn_backend = get_attention_backend(backend)
+        self.max_num_reqs = args.max_num_seqs
+        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
+        self.seed = args.seed
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ KV cache
+    def default_kv_cache_memory(self) -> int | None:
+        """On CUDA, the free memory times ``gpu_memory_utilization``; None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free - total * 0.1)
+
+    def get_kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        dtype = str(self.dtype).removeprefix("torch.")
+        specs: dict[str, KVCacheSpec] = {}
+        for i, layer in enumerate(self.model_config.kv_cache_layer_specs()):
+            kw = dict(
+                block_size=block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                dtype=dtype,
+            )
+            if layer.sliding_window is None:
+                specs[f"layers.{i}"] = FullAttentionSpec(**kw)
+            else:
+                specs[f"layers.{i}"] = SlidingWindowSpec(sliding_window=layer.sliding_window, **kw)
+        return specs
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """One zeroed ``[2, num_blocks, block_size, kv_heads, head_size]`` tensor per
+        ``KVCacheTensor``; layers of different groups at the same position share it."""
+        self.kv_cache_config = kv_cache_config
+        num_layers = self.model_config.num_hidden_layers
+        caches: list[torch.Tensor | None] = [None] * num_layers
+        layer_specs = self.model_config.kv_cache_layer_specs()
+        for tensor in kv_cache_config.kv_cache_tensors:
+            first = layer_specs[int(tensor.shared_by[0].split(".")[1])]
+            block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+            # Zeroed, not empty: padding slots are masked out, but 0 * NaN would still be NaN.
+            cache = torch.zeros(
+                (2, kv_cache_config.num_blocks, block_size, first.num_kv_heads, first.head_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for name in tensor.shared_by:
+                caches[int(name.split(".")[1])] = cache
+        assert all(c is not None for c in caches)
+        self.kv_caches = caches  # type: ignore[assignment]
+        self.layer_to_group = [0] * num_layers
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            for name in group.layer_names:
+                self.layer_to_group[int(name.split(".")[1])] = gid
+        group_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+        self.group_block_sizes = [spec.block_size for spec in group_specs]
+        self.group_windows = [getattr(spec, "sliding_window", None) for spec in group_specs]
+        self.input_batch = InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.group_block_sizes,
+            [cdiv(self.max_model_len, bs) for bs in self.group_block_sizes],
+        )
+
+    # ------------------------------------------------------------------ request state
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in scheduler_output.preempted_req_ids:
+            batch.remove_request(req_id)
+        for req_id in scheduler_output.finished_req_ids:
+            batch.remove_request(req_id)
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            resumed = self.requests.get(new.req_id)
+            if resumed is not None:  # back from preemption: keep drawing from the same stream
+                generator = resumed.generator
+            elif params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            else:
+                generator = None
+            state = CachedRequestState(
+                req_id=new.req_id,
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling_params=params,
+                generator=generator,
+                output_token_ids=new.token_ids[new.num_prompt_tokens :],
+            )
+            self.requests[new.req_id] = state
+            batch.add_request(state, new.token_ids, new.num_computed_tokens, new.block_ids)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            row = batch.req_id_to_index[cached.req_id]
+            batch.block_table.append_row(cached.new_block_ids, row)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        rows = np.fromiter((batch.req_id_to_index[r] for r in req_ids), np.int64, len(req_ids))
+        counts = np.fromiter(scheduler_output.num_scheduled_tokens.values(), np.int64, len(rows))
+        num_reqs = len(rows)
+
+        # Flat varlen batch: request i owns tokens [query_start_loc[i], query_start_loc[i+1]).
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_req = np.repeat(np.arange(num_reqs), counts)
+        token_rows = rows[token_req]
+        num_computed = batch.num_computed_tokens[rows]
+        positions = num_computed[token_req] + (np.arange(total) - query_start_loc[token_req])
+        input_ids = batch.token_ids_cpu[token_rows, positions]
+        seq_lens = (num_computed + counts).astype(np.int32)
+
+        metadata_per_group = []
+        for gid, block_size in enumerate(self.group_block_sizes):
+            table = batch.block_table[gid]
+            max_blocks = cdiv(int(seq_lens.max()), block_size)
+            metadata_per_group.append(
+                AttentionMetadata.from_numpy(
+                    query_start_loc,
+                    seq_lens,
+                    table.block_table[rows, :max_blocks],
+                    table.compute_slot_mapping(token_rows, positions),
+                    block_size,
+                    self.group_windows[gid],
+                    self.device,
+                )
+            )
+        ctx = ForwardContext(
+            kv_caches=self.kv_caches,
+            attn_metadata=[metadata_per_group[g] for g in self.layer_to_group],
+            backend=self.attn_backend,
+        )
+        hidden_states = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            ctx,
+        )
+
+        # Sample the requests whose known tokens are now all computed.
+        sample_idx = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list[Logprobs | None] | None = None
+        if sample_idx.size:
+            last_token = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden_states[last_token])
+            states = [batch.states[r] for r in rows[sample_idx]]
+            self._mask_stop_tokens_before_min_tokens(logits, states)
+            out = sample(logits, self._sampling_metadata(states))
+            tokens = out.sampled_token_ids.tolist()
+            entries = _to_logprobs(out.logprobs) if out.logprobs is not None else None
+            if entries is not None:
+                logprobs = [None] * num_reqs
+            for j, i in enumerate(sample_idx.tolist()):
+                sampled_token_ids[i] = [tokens[j]]
+                batch.append_token(int(rows[i]), tokens[j])
+                if entries is not None and states[j].sampling_params.logprobs is not None:
+                    k = states[j].sampling_params.logprobs
+                    e = entries[j]
+                    logprobs[i] = Logprobs(e.token_ids[: k + 1], e.logprobs[: k + 1], e.rank)  # type: ignore[index]
+
+        prompt_logprobs = self._prompt_logprobs(
+            req_ids, rows, num_computed, counts, query_start_loc, hidden_states
+        )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_reqs=num_reqs,
+        )
+
+    # ------------------------------------------------------------------ sampling helpers
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
+        device = self.device
+
+        def column(name: str, off: float, dtype=torch.float32) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in params]
+            if all(v == off for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = column("top_k", 0, torch.int64)
+        if top_k is not None:
+            top_k = top_k.clamp(min=0)  # -1 and 0 both mean "off"
+            if not bool(top_k.any()):
+                top_k = None
+        has_penalties = any(p.has_penalties for p in params)
+        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=top_k,
+            top_p=column("top_p", 1.0),
+            min_p=column("min_p", 0.0),
+            repetition_penalties=column("repetition_penalty", 1.0),
+            presence_penalties=column("presence_penalty", 0.0),
+            frequency_penalties=column("frequency_penalty", 0.0),
+            prompt_token_ids=[self._prompt_ids(s) for s in states] if has_penalties else None,
+            output_token_ids=[s.output_token_ids for s in states] if has_penalties else None,
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+        )
+
+    def _prompt_ids(self, state: CachedRequestState) -> np.ndarray:
+        row = self.input_batch.req_id_to_index[state.req_id]
+        return self.input_batch.token_ids_cpu[row, : state.num_prompt_tokens]
+
+    def _mask_stop_tokens_before_min_tokens(
+        self, logits: torch.Tensor, states: list[CachedRequestState]
+    ) -> None:
+        """Until a request has ``min_tokens`` outputs, EOS and its stop token ids can't be
+        sampled (so the stop check after sampling needs no min_tokens case)."""
+        for i, state in enumerate(states):
+            params = state.sampling_params
+            if len(state.output_token_ids) >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                banned.append(self.eos_token_id)
+            if banned:
+                logits[i, banned] = float("-inf")
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        num_computed: np.ndarray,
+        counts: np.ndarray,
+        query_start_loc: np.ndarray,
+        hidden_states: torch.Tensor,
+    ) -> dict[str, list[Logprobs]]:
+        """Logprob of prompt token ``p + 1`` for each prompt position ``p`` computed this step."""
+        out: dict[str, list[Logprobs]] = {}
+        batch = self.input_batch
+        for i, req_id in enumerate(req_ids):
+            state = batch.states[rows[i]]
+            k = state.sampling_params.prompt_logprobs
+            start = int(num_computed[i])
+            end = min(start + int(counts[i]), state.num_prompt_tokens - 1)
+            if k is None or start >= end:
+                continue
+            first = int(query_start_loc[i])
+            logits = self.model.compute_logits(hidden_states[first : first + end - start])
+            targets = torch.from_numpy(batch.token_ids_cpu[rows[i], start + 1 : end + 1])
+            out[req_id] = _to_logprobs(compute_prompt_logprobs(logits, targets.to(self.device), k))
+        return out

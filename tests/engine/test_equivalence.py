@@ -1,0 +1,140 @@
+"""Greedy outputs token-for-token equal to transformers' ``generate``, under every schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv import SamplingParams
+from tests.tiny_models import CONFIGS, random_prompt
+
+NEW_TOKENS = 24
+# Lengths straddle block (16) and window (8) boundaries; 57 + 24 spans 6 blocks.
+PROMPT_LENS = (3, 8, 16, 17, 40, 57)
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def hf_generate(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [random_prompt(n, seed=n) for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = [hf_generate(hf_model(arch), p) for p in prompts]
+        return cache[arch]
+
+    return get
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_greedy_matches_transformers(arch, make_llm, prompts, reference) -> None:
+    llm = make_llm(arch)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_window", "qwen2_hybrid"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=7),  # every prompt is chunked, decodes share the budget
+        dict(max_num_seqs=1),
+        dict(block_size=32),
+    ],
+    ids=["no-prefix-cache", "chunked-prefill", "one-at-a-time", "block-32"],
+)
+def test_schedule_does_not_change_outputs(arch, engine_args, make_llm, prompts, reference):
+    llm = make_llm(arch, **engine_args)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+def test_preemption_does_not_change_outputs(arch, make_llm, prompts, reference) -> None:
+    # 12 usable blocks per group cannot hold all six requests at full length: the scheduler
+    # must preempt (recompute) to finish them.
+    llm = make_llm(arch, num_gpu_blocks_override=13 * (3 if arch == "qwen2_hybrid" else 1))
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral_window", "qwen2_hybrid"])
+def test_shared_prefixes_arriving_at_different_steps(arch, make_llm, hf_model) -> None:
+    """Later requests hit blocks cached by earlier (finished or still running) ones."""
+    stem = random_prompt(40, seed=1)
+    prompts = [stem + random_prompt(n, seed=100 + n) for n in (1, 5, 9, 23)] + [stem[:33]]
+    expected = [hf_generate(hf_model(arch), p) for p in prompts]
+    llm = make_llm(arch, max_num_batched_tokens=48)
+    engine = llm.llm_engine
+    outputs = {}
+    ids = []
+    for step, prompt in enumerate(prompts):
+        ids.append(engine.add_request(None, prompt, GREEDY))
+        for _ in range(step + 1):
+            for out in engine.step():
+                outputs[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert [outputs[i].outputs[0].token_ids for i in ids] == expected
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hits >= 32 * 4  # every later request reused the stem's blocks
+    assert all(outputs[i].num_cached_tokens > 0 for i in ids[1:])
+
+
+def test_prompt_logprobs_match_transformers(make_llm, hf_model) -> None:
+    arch = "qwen2_hybrid"
+    prompt = random_prompt(30, seed=7)
+    llm = make_llm(arch, max_num_batched_tokens=11)  # prompt logprobs across chunks
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    with torch.no_grad():
+        logits = hf_model(arch)(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert len(entry) >= 3
+        for token, value in entry.items():
+            assert value == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
+        assert prompt[pos] in entry
+
+
+def test_sample_logprobs_match_transformers(make_llm, hf_model) -> None:
+    arch = "llama"
+    prompt = random_prompt(12, seed=3)
+    llm = make_llm(arch)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False
+    )
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf_model(arch)(torch.tensor([prompt + tokens])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    for k, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        row = len(prompt) - 1 + k
+        assert token in entry and len(entry) == 2  # greedy: the sampled token is the top-1
+        for t, value in entry.items():
+            assert value == pytest.approx(expected[row, t].item(), abs=1e-4)
