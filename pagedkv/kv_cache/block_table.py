@@ -53,6 +53,9 @@ class BlockTable:
         self.num_blocks_per_row[row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
+        """Copy row ``src`` to ``tgt`` and empty ``src`` (unless they are the same row)."""
+        if src == tgt:
+            return
         n = int(self.num_blocks_per_row[src])
         self.block_table[tgt, :n] = self.block_table[src, :n]
         self.num_blocks_per_row[tgt] = n
