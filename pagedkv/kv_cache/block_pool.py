@@ -206,10 +206,12 @@ class BlockPool:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove blocks from the prefix cache only (e.g. a connector reported their KV bad);
-        holders keep them."""
+        holders keep them. Every id is checked before any block is evicted."""
+        block_ids = list(block_ids)
         for block_id in block_ids:
             if not isinstance(block_id, int) or not 0 < block_id < self.num_blocks:
                 raise ValueError(f"block id {block_id!r} is not a block of this pool")
+        for block_id in block_ids:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict_cached_block(block)

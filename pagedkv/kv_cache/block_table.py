@@ -32,20 +32,24 @@ class BlockTable:
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 
+    def _check_fits(self, row: int, num_blocks: int) -> None:
+        if num_blocks > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"row {row} would hold {num_blocks} blocks, more than max_num_blocks_per_req="
+                f"{self.max_num_blocks_per_req}"
+            )
+
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         if not block_ids:
             return
         start = int(self.num_blocks_per_row[row])
         end = start + len(block_ids)
-        if end > self.max_num_blocks_per_req:
-            raise ValueError(
-                f"row {row} would hold {end} blocks, more than max_num_blocks_per_req="
-                f"{self.max_num_blocks_per_req}"
-            )
+        self._check_fits(row, end)
         self.block_table[row, start:end] = block_ids
         self.num_blocks_per_row[row] = end
 
     def add_row(self, block_ids: Sequence[int], row: int) -> None:
+        self._check_fits(row, len(block_ids))
         self.num_blocks_per_row[row] = 0
         self.append_row(block_ids, row)
 
@@ -53,6 +57,9 @@ class BlockTable:
         self.num_blocks_per_row[row] = 0
 
     def move_row(self, src: int, tgt: int) -> None:
+        """Copy row ``src`` to ``tgt`` and empty ``src`` (unless they are the same row)."""
+        if src == tgt:
+            return
         n = int(self.num_blocks_per_row[src])
         self.block_table[tgt, :n] = self.block_table[src, :n]
         self.num_blocks_per_row[tgt] = n
@@ -77,6 +84,11 @@ class MultiGroupBlockTable:
     def __init__(
         self, block_sizes: Sequence[int], max_num_reqs: int, max_num_blocks: Sequence[int]
     ) -> None:
+        if len(block_sizes) != len(max_num_blocks):
+            raise ValueError(
+                "MultiGroupBlockTable needs one max_num_blocks per block size, got "
+                f"{len(block_sizes)} block sizes and {len(max_num_blocks)} max_num_blocks"
+            )
         self.block_tables = [
             BlockTable(bs, max_num_reqs, n) for bs, n in zip(block_sizes, max_num_blocks)
         ]
@@ -87,11 +99,25 @@ class MultiGroupBlockTable:
     def __len__(self) -> int:
         return len(self.block_tables)
 
+    def _check_block_ids(self, block_ids: Sequence[Sequence[int]]) -> None:
+        if len(block_ids) != len(self.block_tables):
+            raise ValueError(
+                "block_ids must hold one list per group: "
+                f"{len(self.block_tables)} KV cache groups, got {len(block_ids)}"
+            )
+
     def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        # Check every group first: a row is written in all groups or in none.
+        self._check_block_ids(block_ids)
+        for table, ids in zip(self.block_tables, block_ids):
+            table._check_fits(row, int(table.num_blocks_per_row[row]) + len(ids))
         for table, ids in zip(self.block_tables, block_ids):
             table.append_row(ids, row)
 
     def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
+        self._check_block_ids(block_ids)
+        for table, ids in zip(self.block_tables, block_ids):
+            table._check_fits(row, len(ids))
         for table, ids in zip(self.block_tables, block_ids):
             table.add_row(ids, row)
 

@@ -150,6 +150,7 @@ class KVCacheManager:
             if new_computed_blocks is not None
             else self.empty_kv_cache_blocks.blocks
         )
+        self._check_new_computed_blocks(request_id, num_new_computed_tokens, hit_blocks)
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
 
@@ -186,6 +187,30 @@ class KVCacheManager:
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
         return KVCacheBlocks(new_blocks)
+
+    def _check_new_computed_blocks(
+        self,
+        request_id: str,
+        num_new_computed_tokens: int,
+        hit_blocks: Sequence[Sequence[KVCacheBlock]],
+    ) -> None:
+        """A prefix hit is adopted once, on admission, and its tokens are exactly its blocks'
+        (``get_computed_blocks`` returns ``num_hit // block_size`` blocks per group, null ones
+        included). Otherwise never-computed blocks would be cached under the hit's hashes."""
+        if self.coordinator.is_allocated(request_id):
+            if num_new_computed_tokens or any(hit_blocks):
+                raise ValueError(
+                    f"request {request_id!r} already holds blocks: a prefix hit is only adopted "
+                    f"on admission, got num_new_computed_tokens={num_new_computed_tokens}"
+                )
+            return
+        for manager, blocks in zip(self.coordinator.single_type_managers, hit_blocks):
+            if len(blocks) * manager.block_size != num_new_computed_tokens:
+                raise ValueError(
+                    f"num_new_computed_tokens={num_new_computed_tokens} does not match the "
+                    f"prefix hit of KV cache group {manager.group_id}: {len(blocks)} blocks of "
+                    f"{manager.block_size} tokens"
+                )
 
     def free(self, request: KVCacheRequest) -> None:
         """Release the request's blocks (cached ones stay findable until reused)."""
