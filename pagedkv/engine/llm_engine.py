@@ -6,7 +6,9 @@ step(): Scheduler.schedule() -> ModelRunner.execute_model() -> Scheduler.update_
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -22,6 +24,8 @@ from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.kv_transfer.factory import create_connector
+from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
 
@@ -90,7 +94,15 @@ class LLMEngine:
             if args.enable_prefix_caching
             else None
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.kv_transfer_config = None
+        connector = None
+        if args.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_dict(args.kv_transfer_config)
+            connector, connector_worker = create_connector(
+                self.kv_transfer_config, self.kv_cache_config, self.model_fingerprint()
+            )
+            self.model_runner.set_kv_connector(connector_worker)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         logger.info(
@@ -112,6 +124,17 @@ class LLMEngine:
         page_bytes = sum(spec.page_size_bytes for spec in layer_specs.values())
         max_useful_blocks = self.args.max_num_seqs * cdiv(self.max_model_len, self.args.block_size)
         return min(budget, (max_useful_blocks + 1) * page_bytes)
+
+    def model_fingerprint(self) -> str:
+        """Model, dtype and KV layout: instances exchange KV only when these are equal."""
+        config = json.loads((self.args.model_path / "config.json").read_text())
+        groups = [
+            (g.kv_cache_spec, len(g.layer_names)) for g in self.kv_cache_config.kv_cache_groups
+        ]
+        identity = json.dumps(
+            [config, str(self.model_runner.dtype), repr(groups)], sort_keys=True, default=str
+        )
+        return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -199,6 +222,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if scheduler_output.is_empty and not core_outputs:
+            time.sleep(0.001)  # only KV transfers are pending: poll them without spinning
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -206,3 +231,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads and sockets (idempotent)."""
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        if self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.shutdown()

@@ -75,6 +75,9 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        #: While in WAITING_FOR_REMOTE_KVS: when the load counts as failed (monotonic clock).
+        self.kv_load_deadline = float("inf")
+        self.kv_load_cancelled = False
         self._all_token_ids = list(prompt_token_ids)
         self._output_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []

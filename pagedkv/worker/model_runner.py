@@ -91,6 +91,8 @@ class ModelRunner:
         self.seed = args.seed
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        #: The worker half of a KV connector (duck-typed: this layer does not import it).
+        self.kv_connector = None
 
     # ------------------------------------------------------------------ KV cache
     def default_kv_cache_memory(self) -> int | None:
@@ -182,9 +184,28 @@ class ModelRunner:
             batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     # ------------------------------------------------------------------ one step
+    def set_kv_connector(self, connector) -> None:
+        """Attach a KV connector's worker half; it gets the caches and per-layer hooks."""
+        self.kv_connector = connector
+        connector.register_kv_caches(self.kv_caches)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        connector = self.kv_connector
+        if connector is None:
+            return self._run(scheduler_output)
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        connector.start_load_kv()
+        output = self._run(scheduler_output)
+        connector.wait_for_save()
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:
+            output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        output.kv_connector_output = connector.get_finished()
+        connector.clear_connector_metadata()
+        return output
+
+    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
@@ -223,6 +244,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             attn_metadata=[metadata_per_group[g] for g in self.layer_to_group],
             backend=self.attn_backend,
+            kv_connector=self.kv_connector,
         )
         hidden_states = self.model(
             torch.from_numpy(input_ids).to(self.device),

@@ -16,6 +16,23 @@ class Logprobs:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker half reports after a step."""
+
+    #: Producer: transfers whose held blocks may now be freed (delivered, refused, failed or
+    #: lease expired).
+    finished_sending: set[str] = field(default_factory=set)
+    #: Consumer: loads that ended (successfully or not); no byte lands in their blocks after.
+    finished_recving: set[str] = field(default_factory=set)
+    #: Blocks whose load failed (reported with or before the request's finished_recving).
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     #: Per request (``req_ids`` order): the sampled token, or nothing for a prefill chunk that
@@ -27,6 +44,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     #: Requests whose batch row ran this step (for stats such as the batch size).
     num_reqs: int = 0
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

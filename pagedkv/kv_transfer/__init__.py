@@ -1,0 +1,1 @@
+"""KV transfer between instances: the connector API, its registry and the connectors."""

@@ -1,0 +1,131 @@
+"""The KV connector API, in two halves that share no state (vLLM V1's split).
+
+The scheduler half plans: which external tokens a request can load, what to send when a request
+finishes, when held blocks may be freed. The worker half moves bytes. Each step one metadata
+object travels down (``build_connector_meta`` -> ``bind_connector_metadata``) and one
+``KVConnectorOutput`` travels up (``get_finished`` -> ``update_connector_output``).
+
+Terminal states. Every load a consumer starts ends exactly once, reported in
+``finished_recving`` (its failed blocks, if any, in ``invalid_block_ids`` of the same output);
+every send a producer holds blocks for ends exactly once, reported in ``finished_sending``
+(delivered, refused, failed, or its lease expired). The scheduler frees blocks only then.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.worker.model_runner_output import KVConnectorOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedkv.attention.metadata import AttentionMetadata
+    from pagedkv.engine.request import Request
+    from pagedkv.engine.scheduler_output import SchedulerOutput
+    from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
+    from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+
+
+class KVConnectorMetadata:
+    """Opaque per-step plan from the scheduler half to the worker half."""
+
+
+class KVConnectorBase(ABC):
+    """Scheduler half. Lives with the scheduler; never touches tensors."""
+
+    def __init__(
+        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
+        self.model_fingerprint = model_fingerprint
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """External tokens loadable beyond the ``num_computed_tokens`` local hit, and whether
+        the load is asynchronous (between steps; the request waits in WAITING_FOR_REMOTE_KVS).
+        None means "not known yet, ask again next step". No side effects: may be called
+        repeatedly for a request that does not get admitted."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Blocks were allocated for the request (``blocks``: all of them, per group)."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's plan; resets the per-step state."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The workers' report of this step."""
+        return None
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        """Called once when a request ends, before its blocks are freed. Returns whether the
+        connector now holds the blocks (freed when the id comes back in ``finished_sending``)
+        and the ``kv_transfer_params`` for the response."""
+        return False, None
+
+    def cancel_load(self, request: Request) -> None:
+        """Stop loading a request (aborted, or past its deadline). Its load must still end in
+        ``finished_recving``, once no more bytes can land in its blocks."""
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class KVConnectorWorker(ABC):
+    """Worker half. Lives with the model runner; moves KV between its cache and elsewhere."""
+
+    def __init__(
+        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.model_fingerprint = model_fingerprint
+        self._metadata: KVConnectorMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """The per-layer caches ``[2, num_blocks, block_size, kv_heads, head_size]``."""
+        self.kv_caches = kv_caches
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    def start_load_kv(self) -> None:
+        """Before the forward pass: start (or, for synchronous loads, do) this step's loads."""
+        return None
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Inside attention, before layer ``layer_idx`` reads its cache."""
+        return None
+
+    def save_kv_layer(
+        self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> None:
+        """Inside attention, right after layer ``layer_idx`` wrote this step's K/V."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: block until the cache may be overwritten."""
+        return None
+
+    @abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Transfers that reached their terminal state since the last call."""
+
+    def shutdown(self) -> None:
+        return None

@@ -1,0 +1,69 @@
+"""kv_transfer_config: which KV connector an instance runs and in which role (vLLM's fields)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str
+    kv_role: str
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    #: Bytes a connector may buffer (e.g. the GET pool on a producer).
+    kv_buffer_size: int = 1_000_000_000
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+    #: How long a request may wait for its KV before its load counts as failed.
+    kv_load_timeout: float = 30.0
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError("kv_transfer_config.kv_connector must name a connector")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}"
+            )
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                "kv_transfer_config.kv_load_failure_policy must be one of "
+                f"{LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}"
+            )
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(
+                f"kv_transfer_config.kv_port must be a port number, got {self.kv_port!r}"
+            )
+        if not isinstance(self.kv_buffer_size, int | float) or self.kv_buffer_size < 0:
+            raise ValueError("kv_transfer_config.kv_buffer_size must be a byte count >= 0")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be an object")
+        if not self.kv_load_timeout > 0:
+            raise ValueError("kv_transfer_config.kv_load_timeout must be > 0 seconds")
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> KVTransferConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_transfer_config field(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**config)
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.kv_connector_extra_config.get(key, default)
