@@ -1,0 +1,1 @@
+"""The engine: requests, sampling parameters, the scheduler, LLMEngine and the offline LLM API."""
