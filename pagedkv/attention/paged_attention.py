@@ -71,7 +71,7 @@ def paged_attention(
     picks its flash kernel (3-D inputs fall back to the much slower math path).
     """
     buffer = buffer if buffer is not None else GatherBuffer()
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for bucket in metadata.decode_buckets:
         num_rows = bucket.token_indices.numel()
         kv = buffer.gather(kv_cache, bucket.block_ids)

@@ -1,7 +1,8 @@
 """The Llama family (Llama, Mistral, Qwen2): our layers over the paged KV cache.
 
-q/k/v and gate/up projections are fused into one Linear each at load time; the checkpoint's
-separate tensors are copied into row ranges of the fused weight (``load_weights``).
+q/k/v and gate/up projections are fused into one Linear each at load time: the checkpoint's
+separate tensors are copied, transposed, into column ranges of the fused weight
+(``load_weights``). With tied embeddings the LM head is a transposed copy of the embedding.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from pagedkv.attention import ForwardContext
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.linear import Linear
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
@@ -30,8 +32,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, o_proj_bias)
 
     def forward(
         self,
@@ -64,8 +66,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * size, config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -125,11 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_proj_bias = self.attention_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_proj_bias)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -144,44 +142,70 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[num_rows, vocab_size]`` for the rows the caller selected."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden_states, head.weight).float()
+        return self.lm_head(hidden_states).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the preallocated parameters.
-
-        Raises ValueError on an unexpected name or when a parameter is left (partly) unloaded.
-        """
+    def _checkpoint_target(self, name: str) -> tuple[str, int, int | None]:
+        """Where checkpoint tensor ``name`` goes: ``(parameter, first output, num outputs)``;
+        ``num outputs`` is None when the tensor fills the whole parameter."""
         q_size = self.config.num_attention_heads * self.config.head_dim
         kv_size = self.config.num_key_value_heads * self.config.head_dim
         inter = self.config.intermediate_size
-        fused_rows = {
+        fused_shards = {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
             "self_attn.k_proj": ("self_attn.qkv_proj", q_size, kv_size),
             "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, kv_size),
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
             "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
         }
+        parts = name.split(".")
+        shard = fused_shards.get(".".join(parts[-3:-1]))
+        if shard is None:
+            return name, 0, None
+        fused_name, start, num_outputs = shard
+        return ".".join([*parts[:-3], fused_name, parts[-1]]), start, num_outputs
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the preallocated parameters.
+
+        Raises ValueError on an unexpected name or shape, or when a parameter is left (partly)
+        unloaded.
+        """
         params = dict(self.named_parameters())
-        rows_loaded = dict.fromkeys(params, 0)
+        # Linear weights are [in, out]: the checkpoint's rows (output features) are their columns.
+        output_dims = {name: 0 for name in params} | {
+            f"{name}.weight": 1
+            for name, module in self.named_modules()
+            if isinstance(module, Linear)
+        }
+        outputs_loaded = dict.fromkeys(params, 0)
+        tied = self.config.tie_word_embeddings
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (
-                name == "lm_head.weight" and self.lm_head is None
-            ):
+            if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
-            parts = name.split(".")
-            fused = fused_rows.get(".".join(parts[-3:-1]))
-            if fused is None:
-                target, start, num_rows = name, 0, None
-            else:
-                fused_name, start, num_rows = fused
-                target = ".".join([*parts[:-3], fused_name, parts[-1]])
+            target, start, num_outputs = self._checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            num_rows = param.shape[0] if num_rows is None else num_rows
-            param.narrow(0, start, num_rows).copy_(tensor)
-            rows_loaded[target] += num_rows
-        missing = [name for name, rows in rows_loaded.items() if rows != params[name].shape[0]]
+            output_dim = output_dims[target]
+            if num_outputs is None:
+                num_outputs = param.shape[output_dim]
+            destination = param.narrow(output_dim, start, num_outputs)
+            if output_dim == 1:
+                destination = destination.t()
+            if destination.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            outputs_loaded[target] += num_outputs
+        if tied:
+            params["lm_head.weight"].copy_(params["model.embed_tokens.weight"].t())
+            outputs_loaded["lm_head.weight"] = outputs_loaded["model.embed_tokens.weight"]
+        missing = [
+            name
+            for name, param in params.items()
+            if outputs_loaded[name] != param.shape[output_dims[name]]
+        ]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {', '.join(missing)}")

@@ -318,7 +318,8 @@ def test_bf16_load_smoke(tmp_path: Path) -> None:
     reference = load_model(tmp_path)
     model = load_model(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert model.lm_head is None  # tied: the head reads the embedding
+    # tied: the head is the embedding, stored input-major
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight.t())
     prompt = random_prompt(20, seed=4)
     hidden, last = PagedRunner(model).step([(0, prompt)])
     ref_hidden, _ = PagedRunner(reference).step([(0, prompt)])
@@ -344,3 +345,18 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture FalconForCausalLM; supported: "):
         load_model(tmp_path)
+
+
+def test_load_weights_rejects_bad_checkpoints(tmp_path: Path) -> None:
+    build_checkpoint(tmp_path, CONFIGS["llama"]())
+    model = load_model(tmp_path)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\), expected \(64,\)"):
+        model.load_weights([("model.norm.weight", torch.ones(3))])
+    with pytest.raises(ValueError, match=r"\(128, 64\), expected \(64, 64\)"):
+        model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.ones(128, 64))])
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.9.mlp.up_proj.weight'"):
+        model.load_weights([("model.layers.9.mlp.up_proj.weight", torch.ones(128, 64))])
+    with pytest.raises(
+        ValueError, match=r"missing from checkpoint: .*layers\.0\.self_attn\.qkv_proj"
+    ):
+        model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.ones(64, 64))])

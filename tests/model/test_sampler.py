@@ -7,7 +7,8 @@ from pagedkv.model.sampler import (
     SamplingMetadata,
     apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
+    apply_top_k,
+    apply_top_p,
     compute_prompt_logprobs,
     sample,
 )
@@ -93,13 +94,13 @@ def test_filters_keep_exactly_the_allowed_tokens(
 
 def test_filter_masks_per_row() -> None:
     logits = PROBS.log().expand(3, -1).contiguous()
-    masked = apply_top_k_top_p(logits, torch.tensor([1, 0, 3]), None)
+    masked = apply_top_k(logits, torch.tensor([1, 0, 3]))
     assert masked.isfinite().tolist() == [
         [True, False, False, False],
         [True, True, True, True],
         [True, True, True, False],
     ]
-    masked = apply_top_k_top_p(logits, None, torch.tensor([0.4, 0.75, 1.0]))
+    masked = apply_top_p(logits, torch.tensor([0.4, 0.75, 1.0]))
     assert masked.isfinite().sum(-1).tolist() == [1, 2, 4]
     torch.testing.assert_close(masked[2], logits[2])
     masked = apply_min_p(logits, torch.tensor([0.0, 0.5, 0.9]))
@@ -187,3 +188,26 @@ def test_prompt_logprobs() -> None:
     torch.testing.assert_close(result.logprobs[:, 1:], raw.topk(2, dim=-1).values)
     expected_ranks = (raw > raw[torch.arange(4), next_tokens][:, None]).sum(-1) + 1
     assert torch.equal(result.ranks, expected_ranks)
+
+
+def vllm_top_p_reference(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's formulation: sort ascending, drop the prefix whose cumulative mass is <= 1 - p."""
+    sorted_logits, order = logits.sort(dim=-1)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    dropped = cumulative <= 1 - top_p.unsqueeze(1)
+    dropped[:, -1] = False
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(dropped, -INF))
+
+
+@pytest.mark.parametrize("scales", [(4.0, 6.0), (0.05, 6.0)], ids=["candidates", "full-sort"])
+def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scales: tuple[float, float]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    num_rows = 12
+    # Peaked rows reach p within the top candidates; flat ones force the full sort.
+    scale = torch.linspace(*scales, num_rows).unsqueeze(1)
+    logits = torch.randn(num_rows, 5000, generator=gen) * scale
+    top_p = torch.rand(num_rows, generator=gen) * 0.9 + 0.05
+    top_p[::5] = 1.0
+    masked = apply_top_p(logits, top_p)
+    assert torch.equal(masked.isfinite(), vllm_top_p_reference(logits, top_p).isfinite())
+    assert masked[::5].isfinite().all()
