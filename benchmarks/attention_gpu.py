@@ -203,7 +203,7 @@ def main() -> None:
         q_out_bytes = 2 * batch * NUM_HEADS * HEAD_SIZE * DTYPE.itemsize
         moved_bytes = batch * context * token_bytes + q_out_bytes
         gbps = moved_bytes / us["triton"] / 1e3
-        splits = tpa.default_num_kv_splits(batch * NUM_KV_HEADS, context, device)
+        splits = tpa.default_num_kv_splits(batch * NUM_KV_HEADS, context, tpa.num_sms(device))
         pct = f"{100 * gbps / peak:5.1f}%" if peak else "?"
         print(
             f"{batch:>5} {context:>7} {splits:>6} {us['triton']:>10.1f} {gbps:>7.0f} {pct:>6} "

@@ -344,13 +344,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_num_kv_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    return _num_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def default_num_kv_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Split the keys only when the launch has too few programs to fill the GPU (small decode
     batches over long contexts). A power of two, so few kernel variants get compiled."""
-    if device.type != "cuda":
-        return 1
     wanted = min(
-        math.ceil(2 * _num_sms(device.index or 0) / num_programs),
+        math.ceil(2 * num_sms / num_programs),
         max_seq_len // _MIN_KEYS_PER_SPLIT,
         _MAX_KV_SPLITS,
     )
@@ -388,12 +391,14 @@ def triton_paged_attention(
     block_q = block_m // queries_per_kv
     num_reqs = metadata.seq_lens.shape[0]
     num_tiles = num_tokens // block_q + num_reqs
-    if num_kv_splits is None:
+    if num_kv_splits is None and query.device.type == "cuda":
         # Tiles that do work, ceil(q_len / block_q) per request: at most this, exact for decodes.
         num_busy_tiles = num_reqs + (num_tokens - num_reqs) // block_q
         num_kv_splits = default_num_kv_splits(
-            num_busy_tiles * num_kv_heads, metadata.max_seq_len, query.device
+            num_busy_tiles * num_kv_heads, metadata.max_seq_len, num_sms(query.device)
         )
+    elif num_kv_splits is None:  # the interpreter runs programs one by one: no use splitting
+        num_kv_splits = 1
     head_pad = max(16, triton.next_power_of_2(head_size))
     # Keys per inner-loop step; independent of block_size, since each key finds its physical
     # block through the block table. With these tiles and 8 warps every dtype and head size up

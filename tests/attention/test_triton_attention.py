@@ -179,8 +179,18 @@ def test_kv_splits_with_prefill_chunks() -> None:
     check(make_case(requests, 4, 2, 16, 16, 30, seed=6), num_kv_splits=4)
 
 
-def test_split_heuristic_keeps_one_split_off_cuda() -> None:
-    assert tpa.default_num_kv_splits(1, 1 << 20, torch.device("cpu")) == 1
+@pytest.mark.parametrize(
+    ("num_programs", "max_seq_len", "expected"),
+    [
+        (8, 32768, 32),  # one decode, 8 KV heads, 132 SMs: split to fill the GPU
+        (8, 1024, 2),  # ... but never below _MIN_KEYS_PER_SPLIT keys per split
+        (8, 1 << 20, 32),  # 2 * 132 / 8 = 33 wanted: rounded down to a power of two
+        (1, 1 << 20, 64),  # capped at _MAX_KV_SPLITS
+        (2048, 32768, 1),  # 256 decodes fill the GPU alone
+    ],
+)
+def test_split_heuristic(num_programs: int, max_seq_len: int, expected: int) -> None:
+    assert tpa.default_num_kv_splits(num_programs, max_seq_len, num_sms=132) == expected
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="spies on the interpreter's loads")
