@@ -203,7 +203,12 @@ def test_reads_only_slots_holding_keys(monkeypatch: pytest.MonkeyPatch, num_kv_s
     reads: list[np.ndarray] = []
     load = interpreter.InterpreterBuilder.create_masked_load
 
-    def spy(self, ptrs, mask, *args):  # noqa: ANN001, ANN202
+    def spy(
+        self: interpreter.InterpreterBuilder,
+        ptrs: interpreter.TensorHandle,
+        mask: interpreter.TensorHandle,
+        *args: object,
+    ) -> interpreter.TensorHandle:
         reads.append(ptrs.data[mask.data])
         return load(self, ptrs, mask, *args)
 
