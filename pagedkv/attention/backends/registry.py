@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 from pagedkv.attention.backends.base import AttentionBackend
 
-_BACKENDS: dict[str, str] = {
-    "torch": "pagedkv.attention.backends.torch_backend:TorchAttentionBackend",
+
+class _BackendEntry(NamedTuple):
+    target: str  # "module:Class"
+    extra: str | None = None  # the pip extra that installs the backend's dependencies
+
+
+_BACKENDS: dict[str, _BackendEntry] = {
+    "torch": _BackendEntry("pagedkv.attention.backends.torch_backend:TorchAttentionBackend"),
+    "triton": _BackendEntry(
+        "pagedkv.attention.backends.triton_backend:TritonAttentionBackend", extra="gpu"
+    ),
 }
 
 
@@ -17,12 +27,22 @@ def available_attention_backends() -> list[str]:
 
 def get_attention_backend(name: str) -> AttentionBackend:
     """Return a new instance of the backend registered as ``name``."""
-    target = _BACKENDS.get(name)
-    if target is None:
+    entry = _BACKENDS.get(name)
+    if entry is None:
         raise ValueError(
             f"unknown attention backend {name!r}; available: "
             + ", ".join(available_attention_backends())
         )
-    module_name, class_name = target.split(":")
-    backend_cls: type[AttentionBackend] = getattr(importlib.import_module(module_name), class_name)
+    module_name, class_name = entry.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        if entry.extra is None or missing in ("", "pagedkv"):
+            raise
+        raise ImportError(
+            f"attention backend {name!r} needs the {missing!r} package: "
+            f"pip install 'pagedkv[{entry.extra}]'"
+        ) from e
+    backend_cls: type[AttentionBackend] = getattr(module, class_name)
     return backend_cls()
