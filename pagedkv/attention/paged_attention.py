@@ -69,6 +69,10 @@ def paged_attention(
     Keys and values are read only through the block table. Each bucket of decodes goes through
     one padded SDPA call, each prefill chunk through its own. Inputs are 4-D so that CPU SDPA
     picks its flash kernel (3-D inputs fall back to the much slower math path).
+
+    A decode reads whole blocks: the slots past ``seq_len`` in its last block are read and
+    masked out, so they must hold finite values (allocate the cache with ``torch.zeros``; every
+    later write is a real token's key or value). Blocks outside a sliding window are never read.
     """
     buffer = buffer if buffer is not None else GatherBuffer()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -202,8 +202,11 @@ def test_prompt_logits_match_transformers(
     hidden, _ = PagedRunner(model).step([(0, p) for p in prompts])
     with torch.inference_mode():
         logits = model.compute_logits(hidden)
-    expected = torch.cat([hf_logits(hf_model, p) for p in prompts])
-    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    expected = [hf_logits(hf_model, p) for p in prompts]
+    torch.testing.assert_close(logits, torch.cat(expected), atol=1e-4, rtol=1e-4)
+    hidden, _ = PagedRunner(model).step([(0, prompts[0])])
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), expected[0], atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_after_prefix_matches_transformers(
