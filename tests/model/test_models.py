@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +9,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    LlamaConfig,
     MistralConfig,
-    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
 )
@@ -26,67 +23,9 @@ from pagedkv.model import (
     get_model_class,
     load_model,
 )
+from tests.tiny_models import CONFIGS, TINY, WINDOW, build_checkpoint, random_prompt
 
 NULL_BLOCK = 0
-WINDOW = 8
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama": lambda: LlamaConfig(**TINY, num_hidden_layers=2),
-    "llama_tied_llama3": lambda: LlamaConfig(
-        **TINY,
-        num_hidden_layers=2,
-        tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    ),
-    "llama_linear_head_dim": lambda: LlamaConfig(
-        **TINY,
-        num_hidden_layers=2,
-        head_dim=24,
-        attention_bias=True,
-        rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0},
-    ),
-    "qwen2": lambda: Qwen2Config(**TINY, num_hidden_layers=2),
-    "mistral_window": lambda: MistralConfig(**TINY, num_hidden_layers=2, sliding_window=WINDOW),
-    "qwen2_hybrid": lambda: Qwen2Config(
-        **TINY,
-        num_hidden_layers=3,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-    ),
-}
-
-
-def build_checkpoint(directory: Path, config: PretrainedConfig, **save_kwargs: object) -> None:
-    """Save a random model; norm weights and biases are randomised too, so loading them counts."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(directory, **save_kwargs)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -186,12 +125,6 @@ def paged_greedy(
 def hf_logits(hf_model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(
-        0, TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)
-    ).tolist()
 
 
 def test_prompt_logits_match_transformers(
