@@ -188,8 +188,7 @@ class AsyncLLM:
                 self._run_commands(block=not engine.has_unfinished_requests())
                 if self._stopping:
                     break
-                outputs = engine.step() if engine.has_unfinished_requests() else []
-                self._record(self._deliver(outputs))
+                self._publish(engine.step() if engine.has_unfinished_requests() else [])
         except Exception as e:
             logger.exception("engine thread failed")
             dead: BaseException = e
@@ -226,27 +225,22 @@ class AsyncLLM:
     def _abort(self, request_id: str) -> None:
         if self._dead is not None:
             return
-        self._record(self._deliver(self.llm_engine.abort_request(request_id)))
+        self._publish(self.llm_engine.abort_request(request_id))
 
     def _stop(self) -> None:
         self._stopping = True
 
-    def _deliver(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Push outputs to their streams; returns the finished ones."""
-        finished = []
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Record stats, then deliver: a client that has its answer finds it in the stats."""
+        finished = [output for output in outputs if output.finished]
+        if self.stat_loggers:
+            stats = self.llm_engine.get_stats()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(stats, finished)
         for output in outputs:
             if output.finished:
-                finished.append(output)
                 stream = self._streams.pop(output.request_id, None)
             else:
                 stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
-        return finished
-
-    def _record(self, finished: list[RequestOutput]) -> None:
-        if not self.stat_loggers:
-            return
-        stats = self.llm_engine.get_stats()
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(stats, finished)

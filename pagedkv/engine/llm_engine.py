@@ -163,6 +163,11 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be below the vocabulary size {self.vocab_size}, "
+                f"got {params.stop_token_ids[:5]}"
+            )
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)

@@ -71,8 +71,6 @@ class OrderedStreamPrinter:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    from pagedkv.engine.llm_engine import LLMEngine
-
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -85,6 +83,8 @@ def run_generate(args: argparse.Namespace) -> None:
         )
     except ValueError as e:
         sys.exit(f"pagedkv generate: error: {e}")
+    from pagedkv.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineArgs.from_cli_args(args))
     try:
         request_ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]

@@ -74,6 +74,10 @@ def test_bad_input_raises_in_the_caller(async_llm) -> None:
             async_llm.add_request(None, [], GREEDY)
         with pytest.raises(ValueError, match="prompt token ids"):
             async_llm.add_request(None, [1, 100000], GREEDY)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            async_llm.add_request(None, [1, 2], SamplingParams(stop_token_ids=[256]))
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=2**64)  # beyond what a torch generator takes
         with pytest.raises(ValueError, match="max_model_len"):
             await collect(async_llm.generate([1] * 1000, GREEDY))
         stream = async_llm.add_request("dup", [1, 2], GREEDY)

@@ -34,6 +34,12 @@ BAD_REQUESTS = {
     "token id above vocab": ("completions", {"prompt": [1, 2, 256]}, "prompt"),
     "negative token id": ("completions", {"prompt": [1, -1]}, "prompt"),
     "batched prompts": ("completions", {"prompt": ["w1", "w2"]}, "prompt"),
+    "seed beyond 64 bits": ("completions", {"prompt": "w1", "seed": 2**70}, "seed"),
+    "stop token id above vocab": (
+        "completions",
+        {"prompt": "w1", "stop_token_ids": [10**6], "min_tokens": 2},
+        "stop_token_ids",
+    ),
     "logprobs above 20": ("completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
     "echo unsupported": ("completions", {"prompt": "w1", "echo": True}, "echo"),
     "no messages": ("chat/completions", {"messages": []}, "messages"),
