@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.entrypoints.cli import main
+from pagedkv.entrypoints.cli import main, make_parser
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, run_pagedkv
 
 COMMANDS = [[], ["generate"], ["serve"], ["bench"], ["bench", "throughput"], ["bench", "serve"]]
@@ -22,6 +22,13 @@ def test_help(command: list[str], capsys: pytest.CaptureFixture) -> None:
     assert text.startswith("usage: pagedkv")
     if command in (["generate"], ["serve"], ["bench", "throughput"]):
         assert "engine:" in text and "--max-num-seqs" in text and "examples:" in text
+
+
+def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_API_KEY", "from-env")
+    args = make_parser().parse_args(["serve", "some/model", "--max-num-seqs", "8"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "from-env")
+    assert args.model == "some/model" and args.max_num_seqs == 8
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:

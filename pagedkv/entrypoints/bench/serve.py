@@ -238,6 +238,9 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     if args.result_json:
         save_json(args.result_json, config, summary, results)
     if args.plot:
-        plot_results(results, summary, args.plot)
+        try:
+            plot_results(results, summary, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'pagedkv[bench]'", file=sys.stderr)
     if summary["failed"]:
         sys.exit(1)

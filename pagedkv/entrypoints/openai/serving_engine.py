@@ -171,10 +171,10 @@ class OpenAIServing:
         is aborted then: leaving the stream's iteration aborts it)."""
 
         async def last() -> RequestOutput:
-            output = None
-            async for output in stream:  # noqa: B007 (the last one is the answer)
-                pass
-            return output
+            final = None
+            async for output in stream:
+                final = output
+            return final
 
         async def disconnected() -> None:
             while (await raw_request.receive())["type"] != "http.disconnect":
