@@ -1,1 +1,1 @@
-"""The worker: the persistent input batch and the model runner (tensors live here, policy does not)."""
+"""The worker: the persistent input batch and the model runner (tensors here, no policy)."""

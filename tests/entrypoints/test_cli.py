@@ -100,7 +100,7 @@ def test_bench_serve_counts_failures(server: Server) -> None:
         "--output-len", "2", "--disable-tqdm",
     )  # fmt: skip
     assert result.returncode == 1
-    assert "Failed requests:" in result.stdout and "HTTP 404" in result.stdout
+    assert "Failed requests:" in result.stdout and "HTTP 400" in result.stdout
 
 
 def test_bench_throughput(tiny_model: Path, tmp_path: Path) -> None:

@@ -98,7 +98,6 @@ class OpenAIServing:
                 f"The model `{request.model}` does not exist "
                 f"(this server serves `{self.served_model_name}`).",
                 param="model",
-                status=HTTPStatus.NOT_FOUND,
             )
 
     @staticmethod
