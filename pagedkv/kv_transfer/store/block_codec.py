@@ -46,11 +46,24 @@ def block_key(model_fingerprint: str, group_id: int, block_hash: bytes) -> str:
 
 class ValueBatch:
     """``num_values`` values of one payload size in one buffer: fill ``payloads`` (one row per
-    value), then ``seal(keys)`` writes the headers and returns one memoryview per value."""
+    value), then ``seal(keys)`` writes the headers and returns one memoryview per value.
 
-    def __init__(self, num_values: int, payload_size: int) -> None:
-        self.buffer = np.empty((num_values, HEADER_SIZE + payload_size), dtype=np.uint8)
+    ``storage`` (uint8, at least ``num_values * value_size`` bytes) is used instead of a fresh
+    allocation: a writer reuses one buffer and skips the page faults of a new one."""
+
+    def __init__(
+        self, num_values: int, payload_size: int, storage: np.ndarray | None = None
+    ) -> None:
+        shape = (num_values, HEADER_SIZE + payload_size)
+        if storage is None:
+            self.buffer = np.empty(shape, dtype=np.uint8)
+        else:
+            self.buffer = storage[: shape[0] * shape[1]].reshape(shape)
         self.buffer[:, :HEADER_SIZE] = 0
+
+    @staticmethod
+    def nbytes_for(num_values: int, payload_size: int) -> int:
+        return num_values * (HEADER_SIZE + payload_size)
 
     @property
     def payloads(self) -> np.ndarray:

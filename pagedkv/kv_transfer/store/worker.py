@@ -28,7 +28,9 @@ class StoreConnectorWorker(KVConnectorWorker):
         self.store_config = StoreConfig.from_extra_config(config.kv_connector_extra_config)
         self.backend = create_backend(self.store_config)
         self.stats = StoreStats()
-        self.recent_keys = RecentKeys()
+        # A remembered key is trusted for a minute, or half its TTL: then checked again.
+        ttl_s = self.store_config.ttl_s
+        self.recent_keys = RecentKeys(max_age_s=60.0 if ttl_s is None else min(60.0, ttl_s / 2))
         self.writer: BlockWriter | None = None
         if config.is_kv_producer:
             self.writer = BlockWriter(

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
@@ -26,6 +27,9 @@ from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 
 logger = logging.getLogger(__name__)
+
+#: Blocks per ``put_many`` call; the writer encodes them into one reused buffer.
+PUT_BATCH_BLOCKS = 32
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class BlockWriter:
         self._num_jobs: dict[str, int] = {}
         #: Finished requests waiting for their jobs: request id -> deadline (monotonic).
         self._flush_deadlines: dict[str, float] = {}
+        self._buffer: np.ndarray | None = None
         self._queue: queue.SimpleQueue[PutJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pagedkv-store-writer", daemon=True)
         self._thread.start()
@@ -99,7 +104,7 @@ class BlockWriter:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             try:
-                self._store(job)
+                self.store(job)
             except Exception:  # a bug here must not kill the thread and strand held blocks
                 logger.exception("store writer: unexpected error")
             finally:
@@ -112,25 +117,41 @@ class BlockWriter:
                         else:
                             del self._num_jobs[req_id]
 
-    def _store(self, job: PutJob) -> None:
+    def store(self, job: PutJob) -> None:
+        """Store one job now, on the calling thread (the writer thread calls this)."""
+        snapshot = [layer_blocks.cpu() for layer_blocks in job.snapshot]
+        for start in range(0, len(job.keys), PUT_BATCH_BLOCKS):
+            end = min(start + PUT_BATCH_BLOCKS, len(job.keys))
+            self._store_rows(job.layout, job.keys, snapshot, start, end)
+
+    def _store_rows(
+        self, layout: GroupLayout, all_keys: list[str], snapshot: list, start: int, end: int
+    ) -> None:
+        """Store blocks ``[start, end)`` of a job, except those already in the store."""
         stats = self.stats
+        keys = all_keys[start:end]
         try:
-            exists = self.backend.exists_many(job.keys)
-            todo = [i for i, stored in enumerate(exists) if not stored]
-            stats.num_puts_skipped += len(job.keys) - len(todo)
+            exists = self.backend.exists_many(keys)
+            todo = [start + i for i, stored in enumerate(exists) if not stored]
+            stats.num_puts_skipped += len(keys) - len(todo)
             if todo:
-                snapshot = job.snapshot
-                if len(todo) < len(job.keys):
-                    rows = torch.tensor(todo, device=snapshot[0].device)
-                    snapshot = [layer_blocks.index_select(1, rows) for layer_blocks in snapshot]
-                batch = ValueBatch(len(todo), job.layout.payload_size)
-                job.layout.pack(snapshot, batch.payloads)
-                keys = [job.keys[i] for i in todo]
-                self.backend.put_many(list(zip(keys, batch.seal(keys))))
+                size = layout.payload_size
+                batch = ValueBatch(len(todo), size, self._storage(len(todo), size))
+                rows = slice(start, end) if len(todo) == len(keys) else todo
+                layout.pack(snapshot, rows, batch.payloads)
+                todo_keys = [all_keys[i] for i in todo]
+                self.backend.put_many(list(zip(todo_keys, batch.seal(todo_keys))))
                 stats.num_blocks_put += len(todo)
                 stats.num_bytes_put += batch.buffer.nbytes
         except StoreError as e:
-            stats.num_put_failures += len(job.keys)
-            logger.debug("store writer: %d blocks not stored: %s", len(job.keys), e)
+            stats.num_put_failures += len(keys)
+            logger.debug("store writer: %d blocks not stored: %s", len(keys), e)
             return
-        self.recent_keys.add_many(job.keys)
+        self.recent_keys.add_many(keys)
+
+    def _storage(self, num_values: int, payload_size: int) -> np.ndarray:
+        """The reused encode buffer, grown to fit (at most PUT_BATCH_BLOCKS values)."""
+        nbytes = ValueBatch.nbytes_for(num_values, payload_size)
+        if self._buffer is None or len(self._buffer) < nbytes:
+            self._buffer = np.empty(nbytes, dtype=np.uint8)
+        return self._buffer
