@@ -45,7 +45,9 @@ class GroupLayout:
     def payload_size(self) -> int:
         return len(self.layer_indices) * int(np.prod(self.layer_block_shape))
 
-    def snapshot(self, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor) -> list:
+    def snapshot(
+        self, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Copy the blocks out of the paged cache, one ``[2, n, ...]`` tensor per layer (on the
         cache's device): after this the blocks may be freed and reused."""
         return [kv_caches[i].index_select(1, block_ids) for i in self.layer_indices]

@@ -115,6 +115,7 @@ class StoreConnector(KVConnectorBase):
         self._saves: dict[str, _SaveState] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._meta = StoreConnectorMetadata()
+        self._warned_no_hashes = False
 
     def _key(self, group_id: int, block_hash: bytes) -> str:
         return block_key(self.model_fingerprint, group_id, block_hash)
@@ -173,6 +174,8 @@ class StoreConnector(KVConnectorBase):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         lookup = self._lookups.pop(request.request_id, None)
+        if not request.block_hashes and request.num_tokens >= self.block_size:
+            self._warn_no_hashes()
         if self.config.is_kv_producer:
             self._saves[request.request_id] = _SaveState(request, [])
         if num_external_tokens == 0:
@@ -188,6 +191,14 @@ class StoreConnector(KVConnectorBase):
         self.stats.num_hit_blocks += len(refs)
         is_async = self.store_config.load_mode == "async"
         self._meta.loads.append(LoadSpec(request.request_id, refs, is_async))
+
+    def _warn_no_hashes(self) -> None:
+        if not self._warned_no_hashes:
+            self._warned_no_hashes = True
+            logger.warning(
+                "StoreConnector: requests carry no block hashes, so nothing is stored or "
+                "looked up; keys are block hashes: run with enable_prefix_caching=True"
+            )
 
     # ------------------------------------------------------------------ producer: saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:

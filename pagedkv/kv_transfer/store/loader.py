@@ -50,21 +50,22 @@ class BlockFetcher:
         """Load ``blocks`` into the cache; returns the ids of those that were not loaded."""
         invalid: set[int] = set()
         for start in range(0, len(blocks), GET_BATCH_BLOCKS):
-            chunk = blocks[start : start + GET_BATCH_BLOCKS]
-            if is_cancelled():
-                invalid.update(ref.block_id for ref in blocks[start:])
-                self.stats.num_load_cancelled += len(blocks) - start
-                break
-            invalid |= self._load_chunk(chunk)
+            invalid |= self._load_chunk(blocks[start : start + GET_BATCH_BLOCKS], is_cancelled)
         return invalid
 
-    def _load_chunk(self, chunk: Sequence[BlockRef]) -> set[int]:
+    def _load_chunk(self, chunk: Sequence[BlockRef], is_cancelled: Callable[[], bool]) -> set[int]:
         stats = self.stats
+        if is_cancelled():
+            stats.num_load_cancelled += len(chunk)
+            return {ref.block_id for ref in chunk}
         try:
             values = self.backend.get_many([ref.key for ref in chunk])
         except StoreError as e:
             stats.num_load_errors += len(chunk)
             logger.debug("store loader: %d blocks not fetched: %s", len(chunk), e)
+            return {ref.block_id for ref in chunk}
+        if is_cancelled():  # cancelled while fetching: nothing more lands in the blocks
+            stats.num_load_cancelled += len(chunk)
             return {ref.block_id for ref in chunk}
         invalid: set[int] = set()
         corrupt: list[str] = []

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from pagedkv import SamplingParams
 from pagedkv.kv_transfer.store.block_codec import block_key, decode_value
 from tests.kv_transfer.store.conftest import backend_for, store_kv_config
 from tests.kv_transfer.store.test_store_connector import GREEDY, run, token_ids
@@ -180,3 +181,76 @@ def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
         assert worker.stats.num_puts_dropped >= len(prompts) * 4
     finally:
         release.set()
+
+
+def test_redis_lru_eviction_bounds_memory_and_evicted_blocks_are_misses(make_llm):
+    """redis-server with maxmemory + allkeys-lru: the store stays bounded, and the blocks it
+    evicted are recomputed by the instance that looks for them."""
+    from tests.kv_transfer.store.conftest import REDIS_SERVER, RedisServer, free_port
+
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(free_port(), "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
+    server.start()
+    try:
+        prompts = [random_prompt(70, seed=100 + i) for i in range(60)]  # 240 blocks, ~2 MiB
+        first = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        expected = token_ids(make_llm("llama").generate(prompts, first, use_tqdm=False))
+        a = make_llm("llama", kv_transfer_config=store_kv_config(server.url, "kv_producer"))
+        # A consumer only: its own writes would evict A's blocks before it looks them up.
+        b = make_llm("llama", kv_transfer_config=store_kv_config(server.url, "kv_consumer"))
+        a.generate(prompts, first, use_tqdm=False)
+        info = server.client().info()
+        # Bounded: ~2 MiB (Redis counts some buffers outside maxmemory).
+        assert info["evicted_keys"] > 0 and info["used_memory"] < 2.5 * 1024 * 1024
+        assert token_ids(b.generate(prompts, first, use_tqdm=False)) == expected
+        scheduler_half, worker = connector_halves(b)
+        hits = scheduler_half.stats.num_hit_blocks
+        assert 0 < hits < len(prompts) * 4, (scheduler_half.stats, worker.stats, info)
+    finally:
+        server.stop()
+
+
+def test_bad_store_config_fails_at_startup_with_a_clear_error(make_llm):
+    with pytest.raises(ValueError, match="needs kv_connector_extra_config.store_url"):
+        make_llm(
+            "llama",
+            kv_transfer_config={"kv_connector": "StoreConnector", "kv_role": "kv_both"},
+        )
+
+
+@pytest.mark.parametrize("ending", ["abort", "deadline"])
+def test_a_load_stuck_in_the_store_ends_by_abort_or_deadline(ending, redis_server, make_llm):
+    prompt = random_prompt(70, seed=50)
+    (expected,) = token_ids(make_llm("llama").generate([prompt], GREEDY, use_tqdm=False))
+    a = make_llm("llama", kv_transfer_config=store_kv_config(redis_server.url, "kv_producer"))
+    config = store_kv_config(redis_server.url, "kv_consumer")
+    config["kv_load_timeout"] = 0.3
+    b = make_llm("llama", kv_transfer_config=config)
+    a.generate([prompt], GREEDY, use_tqdm=False)
+    _, worker = connector_halves(b)
+    get_many = worker.backend.get_many
+    fetching = threading.Event()
+
+    def stuck_get_many(keys):
+        fetching.set()
+        time.sleep(1.0)  # stands in for a slow store; a real one is bounded by timeout_s
+        return get_many(keys)
+
+    worker.backend.get_many = stuck_get_many
+    engine = b.llm_engine
+    rid = engine.add_request(None, prompt, GREEDY)
+    engine.step()
+    assert fetching.wait(timeout=10)
+    if ending == "abort":
+        engine.abort_request(rid)
+        assert engine.kv_cache_manager.usage > 0  # held: the fetch may still land
+    outs = {}
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert worker.stats.num_load_cancelled == 4 and worker.stats.num_blocks_loaded == 0
+    if ending == "deadline":  # the load failed at its deadline: recomputed, output exact
+        assert outs[rid].outputs[0].token_ids == expected
+        assert engine.get_stats().num_prompt_tokens == 70

@@ -95,8 +95,9 @@ class MooncakeBackend(StoreBackend):
 
     def _put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
         rc = self._client().put_batch([k for k, _ in items], [v for _, v in items])
-        if rc != 0:
-            raise StoreError(f"mooncake: put_batch -> {rc}")
+        codes = rc if isinstance(rc, list) else [rc]  # one code, or one per key
+        if any(code != 0 for code in codes):
+            raise StoreError(f"mooncake: put_batch -> {codes[:8]}")
 
     def _get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         values = self._client().get_batch(list(keys))
