@@ -1,4 +1,5 @@
-"""Redis (or Redis Cluster) through redis-py, every call one pipelined round trip.
+"""Redis (or Redis Cluster) through redis-py, every call one round trip (MSET / MGET, or a
+pipeline where a batch needs several commands: TTLs, existence checks, cluster slots).
 
 ``redis://host:port/db`` (``rediss://`` for TLS) uses one connection pool shared by the
 connector's threads; ``redis+cluster://host:port`` (``rediss+cluster://``) uses
@@ -103,6 +104,9 @@ class RedisBackend(StoreBackend):
         return [bool(n) for n in self._pipelined(add)]
 
     def _put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        if self.ttl_s is None and not self.is_cluster:  # one MSET: no per-command overhead
+            _call(lambda: self._get_client().mset(dict(items)))
+            return
         px = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
 
         def add(pipe) -> None:
@@ -112,6 +116,9 @@ class RedisBackend(StoreBackend):
         self._pipelined(add)
 
     def _get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        if not self.is_cluster:
+            return _call(lambda: self._get_client().mget(keys))
+
         def add(pipe) -> None:
             for key in keys:
                 pipe.get(key)
