@@ -408,7 +408,7 @@ class Scheduler:
         if not invalid_block_ids:
             return set()
         kv = self.kv_cache_manager
-        policy = self.connector.config.kv_load_failure_policy  # type: ignore[union-attr]
+        policy = self.connector.load_failure_policy  # type: ignore[union-attr]
         kv.evict_blocks(b for b in invalid_block_ids if 0 < b < kv.block_pool.num_blocks)
         recompute: set[str] = set()
         for request in list(self.requests.values()):

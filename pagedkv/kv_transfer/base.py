@@ -36,6 +36,9 @@ class KVConnectorMetadata:
 class KVConnectorBase(ABC):
     """Scheduler half. Lives with the scheduler; never touches tensors."""
 
+    #: ``kv_load_failure_policy`` when the config leaves it unset.
+    default_load_failure_policy = "fail"
+
     def __init__(
         self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
     ) -> None:
@@ -43,6 +46,10 @@ class KVConnectorBase(ABC):
         self.kv_cache_config = kv_cache_config
         #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
         self.model_fingerprint = model_fingerprint
+
+    @property
+    def load_failure_policy(self) -> str:
+        return self.config.kv_load_failure_policy or self.default_load_failure_policy
 
     @abstractmethod
     def get_num_new_matched_tokens(

@@ -38,3 +38,10 @@ def create_connector(
         _load(scheduler_target)(config, kv_cache_config, model_fingerprint),
         _load(worker_target)(config, kv_cache_config, model_fingerprint),
     )
+
+
+register_connector(
+    "StoreConnector",
+    "pagedkv.kv_transfer.store.connector:StoreConnector",
+    "pagedkv.kv_transfer.store.worker:StoreConnectorWorker",
+)

@@ -19,7 +19,10 @@ class KVTransferConfig:
     #: Bytes a connector may buffer (e.g. the GET pool on a producer).
     kv_buffer_size: int = 1_000_000_000
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"
+    #: What a failed KV load does to its request: "fail" ends it with an error, "recompute"
+    #: computes the missing part locally. None: the connector's default (``fail``, except for
+    #: connectors that act as a cache, such as the store connector: ``recompute``).
+    kv_load_failure_policy: str | None = None
     #: How long a request may wait for its KV before its load counts as failed.
     kv_load_timeout: float = 30.0
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -31,7 +34,10 @@ class KVTransferConfig:
             raise ValueError(
                 f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}"
             )
-        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+        if (
+            self.kv_load_failure_policy is not None
+            and self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES
+        ):
             raise ValueError(
                 "kv_transfer_config.kv_load_failure_policy must be one of "
                 f"{LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}"

@@ -1,0 +1,109 @@
+"""The store backend interface: four batched calls, each bounded by a timeout.
+
+Every failure surfaces as ``StoreError``; ``StoreUnavailable`` (connection refused, timeout,
+shared directory gone) also opens the backend's circuit breaker, so that for the next
+``backoff`` seconds every call fails at once instead of each waiting for its own timeout.
+The connector turns both into cache misses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
+
+
+class StoreError(Exception):
+    """A store call failed; its keys count as missing."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached (or the circuit breaker is open)."""
+
+
+class CircuitBreaker:
+    """Closed until a ``StoreUnavailable``; then open for a backoff that doubles with each
+    consecutive failure (``base_s`` .. ``max_s``). The first call after the backoff probes the
+    store: success closes the breaker, failure reopens it."""
+
+    def __init__(self, base_s: float = 0.25, max_s: float = 5.0) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self._lock = threading.Lock()
+        self._num_failures = 0
+        self._open_until = 0.0
+
+    @property
+    def is_open(self) -> bool:
+        return time.monotonic() < self._open_until
+
+    def call(self, fn: Callable[[], T]) -> T:
+        if self.is_open:
+            raise StoreUnavailable(
+                f"store unavailable; retrying in {self._open_until - time.monotonic():.2f}s"
+            )
+        try:
+            result = fn()
+        except StoreUnavailable:
+            with self._lock:
+                self._num_failures += 1
+                backoff = min(self.base_s * 2 ** (self._num_failures - 1), self.max_s)
+                self._open_until = time.monotonic() + backoff
+            raise
+        if self._num_failures:
+            with self._lock:
+                self._num_failures = 0
+        return result
+
+
+class StoreBackend(ABC):
+    """Batched key-value calls. Implementations raise ``StoreUnavailable`` when the store cannot
+    be reached and ``StoreError`` for any other failure; never anything else."""
+
+    def __init__(self, ttl_s: float | None) -> None:
+        #: Stored values expire after this many seconds (None: only the store's own eviction).
+        self.ttl_s = ttl_s
+        self.breaker = CircuitBreaker()
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        return self.breaker.call(lambda: self._exists_many(keys))
+
+    def put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
+        if items:
+            self.breaker.call(lambda: self._put_many(items))
+
+    def get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
+        """Values in ``keys`` order, None where a key is missing. Values may be memoryviews
+        into buffers the caller owns from then on."""
+        if not keys:
+            return []
+        values = self.breaker.call(lambda: self._get_many(keys))
+        if len(values) != len(keys):
+            raise StoreError(f"{len(values)} values returned for {len(keys)} keys")
+        return values
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.breaker.call(lambda: self._delete_many(keys))
+
+    @abstractmethod
+    def _exists_many(self, keys: Sequence[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _put_many(self, items: Sequence[tuple[str, Buffer]]) -> None: ...
+
+    @abstractmethod
+    def _get_many(self, keys: Sequence[str]) -> list[Buffer | None]: ...
+
+    @abstractmethod
+    def _delete_many(self, keys: Sequence[str]) -> None: ...
+
+    def close(self) -> None:
+        return None

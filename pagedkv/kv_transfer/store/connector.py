@@ -1,0 +1,266 @@
+"""StoreConnector: the scheduler half of the centralized KV store connector.
+
+Producer (``kv_producer`` / ``kv_both``): every block that becomes full in a step is listed in
+that step's metadata, and the worker snapshots it for the background writer. A finished request
+that queued puts holds its blocks until they have ended (``finished_sending``), so when its
+caller sees the request done, its KV is in the store. A request with ``do_remote_decode`` (PD:
+P) also stores its prompt's prefix-cache hits and answers ``{"do_remote_prefill": true,
+"store_num_tokens": N}``, N being the prompt tokens whose blocks it put.
+
+Consumer (``kv_consumer`` / ``kv_both``): at admission, one ``exists_many`` over the blocks past
+the local prefix hit finds the longest stored prefix, in whole blocks and never the last prompt
+token::
+
+    prompt (block_size 4):  [a b c d][e f g h][i j k l][m n]
+    local prefix hit:       |-- hit -|
+    stored in the store:             [  yes  ][  yes  ]
+    last block loadable:  block (num_tokens - 1) // 4 - 1 = 2      -> load blocks 1..2
+    computed locally:                                   [m n]
+
+A sliding-window group needs only the blocks inside the window of the hit's end, so only those
+must be stored. The load is async (the request waits in WAITING_FOR_REMOTE_KVS while the loader
+thread fetches) or sync (``load_mode: sync``: fetched before the step's forward pass). A
+request carrying P's ``store_num_tokens`` waits, up to ``remote_prefill_wait_s`` and holding no
+blocks, until that many tokens are stored: P may still be writing when D gets the request.
+
+Store faults (down, timeout, evicted, corrupt) are misses at lookup and invalid blocks at load,
+which the scheduler recomputes: this connector's default ``kv_load_failure_policy`` is
+``recompute``, as expected of a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+from pagedkv.kv_transfer.base import KVConnectorBase
+from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_transfer.store.backends import StoreError, create_backend
+from pagedkv.kv_transfer.store.block_codec import block_key
+from pagedkv.kv_transfer.store.config import StoreConfig
+from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec, StoreConnectorMetadata
+from pagedkv.kv_transfer.store.stats import StoreStats
+from pagedkv.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
+    from pagedkv.engine.scheduler_output import SchedulerOutput
+    from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
+    from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+
+logger = logging.getLogger(__name__)
+
+#: How long one existence answer is reused for a request that is not admitted yet.
+LOOKUP_REUSE_S = 0.05
+
+
+def window_blocks(spec: KVCacheSpec) -> int | None:
+    """Blocks before a hit's end that the group needs (None: all of them)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return cdiv(spec.sliding_window - 1, spec.block_size)
+    return None
+
+
+def longest_stored_prefix(stored: list[list[bool]], windows: list[int | None]) -> int:
+    """Blocks loadable from the start of ``stored`` (per group, one flag per block): every
+    group must have the blocks it needs for a hit ending there."""
+    num_blocks = len(stored[0])
+    for end in range(num_blocks, 0, -1):
+        if all(
+            all(flags[0 if window is None else max(0, end - window) : end])
+            for flags, window in zip(stored, windows)
+        ):
+            return end
+    return 0
+
+
+@dataclass(slots=True)
+class _Lookup:
+    start_block: int
+    num_blocks: int
+    checked_at: float
+    first_asked_at: float
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class _SaveState:
+    """A producer's view of one request: its blocks (per group) and how many are saved."""
+
+    request: Request
+    block_ids: list[list[int]]
+    #: Blocks ``[0, num_saved_blocks)`` are stored, queued, or not this request's to store.
+    num_saved_blocks: int | None = None
+    num_blocks_queued: int = 0
+
+
+class StoreConnector(KVConnectorBase):
+    default_load_failure_policy = "recompute"
+
+    def __init__(
+        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint)
+        self.store_config = StoreConfig.from_extra_config(config.kv_connector_extra_config)
+        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+        if len({spec.block_size for spec in specs}) != 1:
+            raise ValueError("StoreConnector needs one block_size for every KV cache group")
+        self.block_size = specs[0].block_size
+        self.windows = [window_blocks(spec) for spec in specs]
+        self.backend = create_backend(self.store_config) if config.is_kv_consumer else None
+        self.stats = StoreStats()
+        self._saves: dict[str, _SaveState] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._meta = StoreConnectorMetadata()
+        self._warned_no_hashes = False
+
+    def _key(self, group_id: int, block_hash: bytes) -> str:
+        return block_key(self.model_fingerprint, group_id, block_hash)
+
+    # ------------------------------------------------------------------ consumer: lookup
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.backend is None or request.sampling_params.prompt_logprobs is not None:
+            return 0, False
+        start = num_computed_tokens // self.block_size
+        end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        if end <= start:
+            return 0, False
+        now = time.monotonic()
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None or lookup.start_block != start:
+            lookup = _Lookup(start, 0, checked_at=-float("inf"), first_asked_at=now)
+            self._lookups[request.request_id] = lookup
+        if now - lookup.checked_at > LOOKUP_REUSE_S:
+            self._check_store(request, lookup, end)
+            lookup.checked_at = now
+        announced = (request.kv_transfer_params or {}).get("store_num_tokens") or 0
+        expected_end = min(int(announced) // self.block_size, end)
+        if (
+            start + lookup.num_blocks < expected_end
+            and not lookup.failed
+            and now - lookup.first_asked_at < self.store_config.remote_prefill_wait_s
+        ):
+            return None, False  # P is still writing: look again next step
+        num_tokens = lookup.num_blocks * self.block_size
+        return num_tokens, num_tokens > 0 and self.store_config.load_mode == "async"
+
+    def _check_store(self, request: Request, lookup: _Lookup, end: int) -> None:
+        """One batched existence check over blocks ``[start, end)`` of every group."""
+        assert self.backend is not None
+        start, num_groups = lookup.start_block, len(self.windows)
+        keys = [
+            self._key(group_id, request.block_hashes[i])
+            for i in range(start, end)
+            for group_id in range(num_groups)
+        ]
+        self.stats.num_lookups += 1
+        try:
+            exists = self.backend.exists_many(keys)
+        except StoreError as e:
+            self.stats.num_lookup_errors += 1
+            logger.debug("store lookup failed, computing locally: %s", e)
+            lookup.num_blocks, lookup.failed = 0, True
+            return
+        stored = [exists[group_id::num_groups] for group_id in range(num_groups)]
+        lookup.num_blocks = longest_stored_prefix(stored, self.windows)
+        lookup.failed = False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        lookup = self._lookups.pop(request.request_id, None)
+        if not request.block_hashes and request.num_tokens >= self.block_size:
+            self._warn_no_hashes()
+        if self.config.is_kv_producer:
+            self._saves[request.request_id] = _SaveState(request, [])
+        if num_external_tokens == 0:
+            return
+        assert lookup is not None, "external tokens without a lookup"
+        start = lookup.start_block
+        refs = [
+            BlockRef(group_id, block.block_id, self._key(group_id, request.block_hashes[i]))
+            for group_id, group_blocks in enumerate(blocks.blocks)
+            for i in range(start, start + num_external_tokens // self.block_size)
+            if not (block := group_blocks[i]).is_null
+        ]
+        self.stats.num_hit_blocks += len(refs)
+        is_async = self.store_config.load_mode == "async"
+        self._meta.loads.append(LoadSpec(request.request_id, refs, is_async))
+
+    def _warn_no_hashes(self) -> None:
+        if not self._warned_no_hashes:
+            self._warned_no_hashes = True
+            logger.warning(
+                "StoreConnector: requests carry no block hashes, so nothing is stored or "
+                "looked up; keys are block hashes: run with enable_prefix_caching=True"
+            )
+
+    # ------------------------------------------------------------------ producer: saves
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
+        if self.config.is_kv_producer:
+            for new in scheduler_output.scheduled_new_reqs:
+                state = self._saves[new.req_id]
+                state.block_ids = [list(ids) for ids in new.block_ids]
+                first = 0 if self._stores_whole_prompt(state.request) else new.num_computed_tokens
+                first_block = first // self.block_size
+                if state.num_saved_blocks is None or state.num_saved_blocks > first_block:
+                    state.num_saved_blocks = first_block
+            for cached in scheduler_output.scheduled_cached_reqs:
+                state = self._saves[cached.req_id]
+                for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                    ids.extend(new_ids)
+            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                self._add_saves(self._saves[req_id], num_tokens)
+        meta, self._meta = self._meta, StoreConnectorMetadata()
+        return meta
+
+    @staticmethod
+    def _stores_whole_prompt(request: Request) -> bool:
+        return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+
+    def _add_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
+        """List the blocks that this step's forward pass completes."""
+        request = state.request
+        num_full = min(
+            (request.num_computed_tokens + num_scheduled_tokens) // self.block_size,
+            len(request.block_hashes),
+        )
+        assert state.num_saved_blocks is not None
+        for i in range(state.num_saved_blocks, num_full):
+            for group_id, ids in enumerate(state.block_ids):
+                if ids[i] != 0:  # the null block: a sliding window skipped this position
+                    key = self._key(group_id, request.block_hashes[i])
+                    self._meta.saves.append((request.request_id, BlockRef(group_id, ids[i], key)))
+                    state.num_blocks_queued += 1
+        state.num_saved_blocks = max(state.num_saved_blocks, num_full)
+
+    # ------------------------------------------------------------------ endings
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        self._lookups.pop(request.request_id, None)
+        state = self._saves.pop(request.request_id, None)
+        hold = state is not None and state.num_blocks_queued > 0
+        if hold:
+            self._meta.flushes.append(request.request_id)
+        params = None
+        if (
+            state is not None
+            and self._stores_whole_prompt(request)
+            and request.status.finish_reason in ("length", "stop")
+        ):
+            num_blocks = min(state.num_saved_blocks or 0, len(request.block_hashes))
+            params = {"do_remote_prefill": True, "store_num_tokens": num_blocks * self.block_size}
+        return hold, params
+
+    def cancel_load(self, request: Request) -> None:
+        self._meta.cancels.append(request.request_id)
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.close()

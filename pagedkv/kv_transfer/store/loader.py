@@ -1,0 +1,154 @@
+"""Loading stored blocks into the paged cache: ``BlockFetcher`` (fetch, verify, scatter) and
+``BlockLoader`` (a background thread running async loads one request at a time).
+
+Every block of a load ends either loaded or in the returned invalid set: missing (evicted or
+expired since the existence check, or never written), corrupt (bad header, wrong key, wrong
+length, checksum mismatch), failed (store down, timeout) or cancelled. A corrupt value is also
+deleted from the store, so the instance that recomputes the block can write it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
+from pagedkv.kv_transfer.store.block_codec import CorruptValue, decode_value
+from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec
+from pagedkv.kv_transfer.store.recent_keys import RecentKeys
+from pagedkv.kv_transfer.store.stats import StoreStats
+
+logger = logging.getLogger(__name__)
+
+#: Blocks per ``get_many`` call: bounds the memory one call holds (64 MiB at 2 MiB per block).
+GET_BATCH_BLOCKS = 32
+
+
+class BlockFetcher:
+    def __init__(
+        self,
+        backend: StoreBackend,
+        layouts: Sequence[GroupLayout],
+        kv_caches: Sequence[torch.Tensor],
+        stats: StoreStats,
+        recent_keys: RecentKeys,
+    ) -> None:
+        self.backend = backend
+        self.layouts = layouts
+        self.kv_caches = kv_caches
+        self.stats = stats
+        self.recent_keys = recent_keys
+
+    def load(
+        self, blocks: Sequence[BlockRef], is_cancelled: Callable[[], bool] = lambda: False
+    ) -> set[int]:
+        """Load ``blocks`` into the cache; returns the ids of those that were not loaded."""
+        invalid: set[int] = set()
+        for start in range(0, len(blocks), GET_BATCH_BLOCKS):
+            invalid |= self._load_chunk(blocks[start : start + GET_BATCH_BLOCKS], is_cancelled)
+        return invalid
+
+    def _load_chunk(self, chunk: Sequence[BlockRef], is_cancelled: Callable[[], bool]) -> set[int]:
+        stats = self.stats
+        if is_cancelled():
+            stats.num_load_cancelled += len(chunk)
+            return {ref.block_id for ref in chunk}
+        try:
+            values = self.backend.get_many([ref.key for ref in chunk])
+        except StoreError as e:
+            stats.num_load_errors += len(chunk)
+            logger.debug("store loader: %d blocks not fetched: %s", len(chunk), e)
+            return {ref.block_id for ref in chunk}
+        if is_cancelled():  # cancelled while fetching: nothing more lands in the blocks
+            stats.num_load_cancelled += len(chunk)
+            return {ref.block_id for ref in chunk}
+        invalid: set[int] = set()
+        corrupt: list[str] = []
+        verified: dict[int, tuple[list[int], list[memoryview]]] = {}
+        for ref, value in zip(chunk, values):
+            if value is None:
+                stats.num_load_missing += 1
+                invalid.add(ref.block_id)
+                continue
+            layout = self.layouts[ref.group_id]
+            try:
+                payload = decode_value(ref.key, value, layout.payload_size)
+            except CorruptValue as e:
+                logger.warning("store: discarding the value of %s: %s", ref.key, e)
+                stats.num_load_corrupt += 1
+                invalid.add(ref.block_id)
+                corrupt.append(ref.key)
+                continue
+            ids, payloads = verified.setdefault(ref.group_id, ([], []))
+            ids.append(ref.block_id)
+            payloads.append(payload)
+        for group_id, (ids, payloads) in verified.items():
+            self.layouts[group_id].unpack(self.kv_caches, ids, payloads)
+            stats.num_blocks_loaded += len(ids)
+            stats.num_bytes_loaded += len(ids) * self.layouts[group_id].payload_size
+        self.recent_keys.add_many(ref.key for ref in chunk if ref.block_id not in invalid)
+        if corrupt:
+            self.recent_keys.discard_many(corrupt)
+            try:
+                self.backend.delete_many(corrupt)
+            except StoreError as e:
+                logger.debug("store loader: could not delete corrupt values: %s", e)
+        return invalid
+
+
+class BlockLoader:
+    """Runs async loads in submission order. Each ends exactly once, in ``take_finished``,
+    together with its invalid blocks; a cancelled load stops at the next batch boundary."""
+
+    def __init__(self, fetcher: BlockFetcher) -> None:
+        self.fetcher = fetcher
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._finished: set[str] = set()
+        self._invalid: set[int] = set()
+        self._queue: queue.SimpleQueue[LoadSpec | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-store-loader", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: LoadSpec) -> None:
+        with self._lock:
+            self._pending.add(spec.req_id)
+        self._queue.put(spec)
+
+    def cancel(self, req_id: str) -> None:
+        with self._lock:
+            if req_id in self._pending:
+                self._cancelled.add(req_id)
+
+    def take_finished(self) -> tuple[set[str], set[int]]:
+        with self._lock:
+            finished, self._finished = self._finished, set()
+            invalid, self._invalid = self._invalid, set()
+        return finished, invalid
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._cancelled |= self._pending
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (spec := self._queue.get()) is not None:
+            invalid: set[int] = set()
+            try:
+                invalid = self.fetcher.load(spec.blocks, lambda: spec.req_id in self._cancelled)
+            except Exception:  # a bug here must still end the load, or the request waits
+                logger.exception("store loader: unexpected error")
+                invalid = {ref.block_id for ref in spec.blocks}
+            finally:
+                with self._lock:
+                    self._pending.discard(spec.req_id)
+                    self._cancelled.discard(spec.req_id)
+                    self._finished.add(spec.req_id)
+                    self._invalid |= invalid

@@ -1,0 +1,157 @@
+"""BlockWriter: stores snapshotted blocks from a background thread, never blocking the engine.
+
+The engine thread hands over ``PutJob`` snapshots (already copied out of the paged cache). The
+queue is bounded in bytes: when a job does not fit, the caller drops it (and counts it) instead
+of waiting. The writer skips keys already in the store (one ``exists_many`` per job), encodes
+the rest into one buffer and writes them with one ``put_many``.
+
+A finished request whose blocks were held (``await_flush``) is reported by ``take_flushed``
+once every job it had queued has ended (stored, skipped or failed), or at its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
+from pagedkv.kv_transfer.store.block_codec import ValueBatch
+from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.recent_keys import RecentKeys
+from pagedkv.kv_transfer.store.stats import StoreStats
+
+logger = logging.getLogger(__name__)
+
+#: Blocks per ``put_many`` call; the writer encodes them into one reused buffer.
+PUT_BATCH_BLOCKS = 32
+
+
+@dataclass(slots=True)
+class PutJob:
+    layout: GroupLayout
+    keys: list[str]
+    #: Requests whose blocks are in this job (each waits for it before its flush ends).
+    req_ids: set[str]
+    #: ``layout.snapshot(...)`` of the blocks, in ``keys`` order.
+    snapshot: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.layout.payload_size
+
+
+class BlockWriter:
+    def __init__(
+        self,
+        backend: StoreBackend,
+        stats: StoreStats,
+        recent_keys: RecentKeys,
+        max_queued_bytes: int,
+    ) -> None:
+        self.backend = backend
+        self.stats = stats
+        self.recent_keys = recent_keys
+        self.max_queued_bytes = max_queued_bytes
+        self._lock = threading.Lock()
+        self._queued_bytes = 0
+        #: Jobs queued or in progress, per request.
+        self._num_jobs: dict[str, int] = {}
+        #: Finished requests waiting for their jobs: request id -> deadline (monotonic).
+        self._flush_deadlines: dict[str, float] = {}
+        self._buffer: np.ndarray | None = None
+        self._queue: queue.SimpleQueue[PutJob | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-store-writer", daemon=True)
+        self._thread.start()
+
+    def has_room(self, nbytes: int) -> bool:
+        with self._lock:
+            return self._queued_bytes + nbytes <= self.max_queued_bytes
+
+    def submit(self, job: PutJob) -> None:
+        with self._lock:
+            self._queued_bytes += job.nbytes
+            for req_id in job.req_ids:
+                self._num_jobs[req_id] = self._num_jobs.get(req_id, 0) + 1
+        self._queue.put(job)
+
+    def await_flush(self, req_id: str, timeout_s: float) -> None:
+        with self._lock:
+            self._flush_deadlines[req_id] = time.monotonic() + timeout_s
+
+    def take_flushed(self) -> set[str]:
+        """Requests whose puts have all ended (or whose flush deadline passed)."""
+        now = time.monotonic()
+        with self._lock:
+            done = {
+                req_id
+                for req_id, deadline in self._flush_deadlines.items()
+                if req_id not in self._num_jobs or now >= deadline
+            }
+            for req_id in done:
+                del self._flush_deadlines[req_id]
+        return done
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self.store(job)
+            except Exception:  # a bug here must not kill the thread and strand held blocks
+                logger.exception("store writer: unexpected error")
+            finally:
+                with self._lock:
+                    self._queued_bytes -= job.nbytes
+                    for req_id in job.req_ids:
+                        left = self._num_jobs[req_id] - 1
+                        if left:
+                            self._num_jobs[req_id] = left
+                        else:
+                            del self._num_jobs[req_id]
+
+    def store(self, job: PutJob) -> None:
+        """Store one job now, on the calling thread (the writer thread calls this)."""
+        snapshot = [layer_blocks.cpu() for layer_blocks in job.snapshot]
+        for start in range(0, len(job.keys), PUT_BATCH_BLOCKS):
+            end = min(start + PUT_BATCH_BLOCKS, len(job.keys))
+            self._store_rows(job.layout, job.keys, snapshot, start, end)
+
+    def _store_rows(
+        self, layout: GroupLayout, all_keys: list[str], snapshot: list, start: int, end: int
+    ) -> None:
+        """Store blocks ``[start, end)`` of a job, except those already in the store."""
+        stats = self.stats
+        keys = all_keys[start:end]
+        try:
+            exists = self.backend.exists_many(keys)
+            todo = [start + i for i, stored in enumerate(exists) if not stored]
+            stats.num_puts_skipped += len(keys) - len(todo)
+            if todo:
+                size = layout.payload_size
+                batch = ValueBatch(len(todo), size, self._storage(len(todo), size))
+                rows = slice(start, end) if len(todo) == len(keys) else todo
+                layout.pack(snapshot, rows, batch.payloads)
+                todo_keys = [all_keys[i] for i in todo]
+                self.backend.put_many(list(zip(todo_keys, batch.seal(todo_keys))))
+                stats.num_blocks_put += len(todo)
+                stats.num_bytes_put += batch.buffer.nbytes
+        except StoreError as e:
+            stats.num_put_failures += len(keys)
+            logger.debug("store writer: %d blocks not stored: %s", len(keys), e)
+            return
+        self.recent_keys.add_many(keys)
+
+    def _storage(self, num_values: int, payload_size: int) -> np.ndarray:
+        """The reused encode buffer, grown to fit (at most PUT_BATCH_BLOCKS values)."""
+        nbytes = ValueBatch.nbytes_for(num_values, payload_size)
+        if self._buffer is None or len(self._buffer) < nbytes:
+            self._buffer = np.empty(nbytes, dtype=np.uint8)
+        return self._buffer
