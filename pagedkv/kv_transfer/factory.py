@@ -38,3 +38,10 @@ def create_connector(
         _load(scheduler_target)(config, kv_cache_config, model_fingerprint),
         _load(worker_target)(config, kv_cache_config, model_fingerprint),
     )
+
+
+register_connector(
+    "P2pConnector",
+    "pagedkv.kv_transfer.p2p.connector:P2pConnector",
+    "pagedkv.kv_transfer.p2p.worker:P2pConnectorWorker",
+)
