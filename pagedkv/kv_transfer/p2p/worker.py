@@ -175,7 +175,9 @@ class P2pConnectorWorker(KVConnectorWorker):
 
     def get_stats(self) -> dict[str, int]:
         out = self.stats.as_dict()
-        out["num_rejected_messages"] = sum(self.control.rejected.values())
+        rejected = dict(self.control.rejected)
+        out["num_rejected_messages"] = sum(rejected.values())
+        out.update({f"num_rejected_{reason}": n for reason, n in rejected.items()})
         if self._pool is not None:
             out["send_pool_used_bytes"] = self._pool.used_bytes
         return out
