@@ -162,10 +162,35 @@ class LLMEngine:
         kv_transfer_params: dict | None = None,
     ) -> str:
         """Validate and enqueue a request; returns its id. Bad input raises ValueError."""
+        prompt_text, request = self.make_request(
+            request_id, prompt, params, arrival_time, priority, cache_salt, kv_transfer_params
+        )
+        self.enqueue_request(request, prompt_text)
+        return request.request_id
+
+    def make_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> tuple[str | None, Request]:
+        """Tokenize and validate, without touching engine state: ``(prompt text, Request)``.
+
+        Safe to call from another thread than the one stepping the engine (AsyncLLM does).
+        """
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be below the vocabulary size {self.vocab_size}, "
+                f"got {params.stop_token_ids[:5]}"
+            )
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -181,9 +206,12 @@ class LLMEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
+        return text, request
+
+    def enqueue_request(self, request: Request, prompt_text: str | None) -> None:
+        """Hand a request from ``make_request`` to the scheduler (ValueError if its id is taken)."""
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request, text)
-        return request_id
+        self.output_processor.add_request(request, prompt_text)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

@@ -83,8 +83,8 @@ class SamplingParams:
             fail("frequency_penalty", "must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             fail("repetition_penalty", "must be > 0")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            fail("seed", "must be an integer in [-2**63, 2**64)")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -1,0 +1,246 @@
+"""AsyncLLM: the LLMEngine behind an asyncio API, for servers.
+
+One background thread owns the (not thread-safe) LLMEngine. Event-loop coroutines talk to it
+through two one-way channels, so the engine's state is only ever touched by its own thread:
+
+    event loop                          engine thread
+    ----------                          -------------
+    add_request(): tokenize, validate   (nothing yet)
+      commands.put(enqueue)   ------->  run commands, then engine.step() while requests exist;
+    abort(): commands.put(abort) ---->  block on the command queue when idle (no busy spin)
+    RequestStream  <--- call_soon_threadsafe(queue.put_nowait, output) per RequestOutput
+
+Every command is applied before the next step, so requests submitted while a step runs all
+join the following step's batch: concurrent clients share engine steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.engine.llm_engine import LLMEngine, PromptType
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request import Request
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised): no request can be served."""
+
+
+class StatLogger(Protocol):
+    def record(self, stats: SchedulerStats, finished: list[RequestOutput]) -> None:
+        """Called on the engine thread after every loop iteration: the scheduler's stats (read
+        them now, they change on the next step) and the requests that just finished."""
+
+
+class RequestStream:
+    """The outputs of one request, pushed by the engine thread into an asyncio queue.
+
+    Iterate it with ``async for``: it yields cumulative RequestOutputs and ends after the
+    final one. Outputs are cumulative, so a slow reader skips to the newest. Leaving the
+    iteration early (break, cancellation, a client that went away) aborts the request, which
+    frees its KV cache blocks.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._loop = loop
+        self._abort = abort
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: deliver an output or an error."""
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                while not isinstance(item, BaseException) and not self._queue.empty():
+                    item = self._queue.get_nowait()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self._abort(self.request_id)
+
+
+class AsyncLLM:
+    """An LLMEngine stepped by a background thread; ``generate`` is an async iterator.
+
+    Call ``add_request``/``generate`` from one event loop; ``abort`` and ``shutdown`` from any
+    thread.
+    """
+
+    def __init__(self, args: EngineArgs, stat_loggers: Sequence[StatLogger] = ()) -> None:
+        #: Owned by the engine thread: use it from elsewhere only for immutable facts
+        #: (tokenizer, limits, ``make_request``) or once ``shutdown`` has returned.
+        self.llm_engine = LLMEngine(args)
+        self.stat_loggers = list(stat_loggers)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        #: Engine thread only: the stream of every request the engine holds.
+        self._streams: dict[str, RequestStream] = {}
+        #: Why the engine thread ended; set (under ``_lock``) once it has.
+        self._dead: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ read-only engine facts
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ the API side
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> RequestStream:
+        """Tokenize and validate here (bad input raises ValueError now), then submit.
+
+        Must be called from the running event loop that will read the returned stream.
+        """
+        prompt_text, request = self.llm_engine.make_request(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        stream = RequestStream(request.request_id, asyncio.get_running_loop(), self.abort)
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine is not running: {self._dead}")
+            self._commands.put(lambda: self._enqueue(request, prompt_text, stream))
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request, the last one ``finished``. Bad input raises
+        ValueError at the first iteration, before anything reaches the engine."""
+        stream = self.add_request(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its blocks are freed at once."""
+        self._commands.put(lambda: self._abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still in flight end with EngineDeadError."""
+        self._commands.put(self._stop)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        engine = self.llm_engine
+        try:
+            while not self._stopping:
+                # Block while idle; otherwise take whatever arrived during the last step.
+                self._run_commands(block=not engine.has_unfinished_requests())
+                if self._stopping:
+                    break
+                self._publish(engine.step() if engine.has_unfinished_requests() else [])
+        except Exception as e:
+            logger.exception("engine thread failed")
+            dead: BaseException = e
+        else:
+            dead = EngineDeadError("the engine was shut down")
+        with self._lock:  # no command can arrive after this
+            self._dead = dead
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(f"the engine stopped: {dead}"))
+        self._streams.clear()
+        self._run_commands(block=False)  # late arrivals: _enqueue refuses them now
+
+    def _run_commands(self, block: bool) -> None:
+        """Run queued commands until the queue is empty (waiting for the first if ``block``)."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return
+            command()
+            block = False
+
+    def _enqueue(self, request: Request, prompt_text: str | None, stream: RequestStream) -> None:
+        if self._dead is not None:
+            stream.put(EngineDeadError(f"the engine stopped: {self._dead}"))
+            return
+        try:
+            self.llm_engine.enqueue_request(request, prompt_text)
+        except ValueError as e:  # e.g. the request id is in use
+            stream.put(e)
+            return
+        self._streams[request.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._dead is not None:
+            return
+        self._publish(self.llm_engine.abort_request(request_id))
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Record stats, then deliver: a client that has its answer finds it in the stats."""
+        finished = [output for output in outputs if output.finished]
+        if self.stat_loggers:
+            stats = self.llm_engine.get_stats()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(stats, finished)
+        for output in outputs:
+            if output.finished:
+                stream = self._streams.pop(output.request_id, None)
+            else:
+                stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)

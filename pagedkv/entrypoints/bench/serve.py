@@ -1,0 +1,246 @@
+"""``pagedkv bench serve``: a streaming load generator against an OpenAI-compatible server.
+
+Requests go to ``/v1/completions`` as token ids (exact input lengths), with ``ignore_eos`` (exact
+output lengths) and ``stream_options.include_usage``. Arrivals are Poisson at
+``--request-rate`` (inf: all at once), optionally capped at ``--max-concurrency`` in flight.
+
+Each request carries ``X-Request-Id: <run id>-<index>``; ``run_load`` returns exactly one
+RequestResult per request, and ``ok`` is only set for a request answered exactly once and
+completely, so another test can use it as a load generator that checks nothing was lost or
+duplicated: ``assert all(r.ok for r in await run_load(...))``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+import uuid
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from pagedkv.entrypoints.bench.datasets import BenchRequest, add_dataset_args, sample_requests
+from pagedkv.entrypoints.bench.plot import plot_results
+from pagedkv.entrypoints.bench.results import (
+    RequestResult,
+    format_summary,
+    save_json,
+    summarize,
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
+    )
+    g.add_argument("--model", default=None, help="model name (default: the server's first)")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per request (default: 600)"
+    )
+    add_dataset_args(parser)
+    g = parser.add_argument_group("load")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default: inf = all at once)",
+    )
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: 0)")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="prompt token ids are drawn below this (default: 256, valid for byte-level BPE)",
+    )
+    g = parser.add_argument_group("output")
+    g.add_argument("--result-json", default=None, metavar="PATH", help="write results as JSON")
+    g.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the latencies")
+    g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    request: BenchRequest,
+    index: int,
+    request_id: str,
+    t0: float,
+) -> RequestResult:
+    """Stream one completion; every protocol surprise is recorded as the result's error."""
+    payload = {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    result = RequestResult(index=index, request_id=request_id, start_time=start - t0)
+    token_times: list[float] = []
+    num_finished = num_done = 0
+    usage = None
+    try:
+        async with client.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json=payload,
+            headers={"X-Request-Id": request_id},
+        ) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    num_done += 1
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error'].get('message')}"
+                    return result
+                if not chunk.get("id", "").endswith(request_id):
+                    result.error = f"chunk of another request: {chunk.get('id')!r}"
+                    return result
+                for choice in chunk["choices"]:
+                    token_times.append(time.perf_counter())
+                    if choice.get("finish_reason") is not None:
+                        num_finished += 1
+                        result.finish_reason = choice["finish_reason"]
+                usage = chunk.get("usage") or usage
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    end = time.perf_counter()
+    if (num_finished, num_done) != (1, 1) or usage is None or not token_times:
+        result.error = (
+            f"incomplete or repeated answer: {num_finished} finish reasons, {num_done} [DONE], "
+            f"usage {'present' if usage else 'missing'}"
+        )
+        return result
+    result.ok = True
+    result.ttft = token_times[0] - start
+    result.itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    result.e2e = end - start
+    result.prompt_tokens = usage["prompt_tokens"]
+    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    result.output_tokens = usage["completion_tokens"]
+    return result
+
+
+async def run_load(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    *,
+    api_key: str | None = None,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    timeout: float = 600.0,
+    progress: bool = False,
+) -> tuple[list[RequestResult], float]:
+    """Send every request once; returns ``(results in request order, duration in seconds)``."""
+    rng = np.random.default_rng(seed)
+    run_id = uuid.uuid4().hex[:8]
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bar = tqdm(total=len(requests), disable=not progress, desc="requests")
+    t0 = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, index: int, request: BenchRequest) -> RequestResult:
+        request_id = f"bench-{run_id}-{index}"
+        if limit is None:
+            result = await send_request(client, base_url, model, request, index, request_id, t0)
+        else:
+            async with limit:
+                result = await send_request(client, base_url, model, request, index, request_id, t0)
+        bar.update(1)
+        return result
+
+    connections = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=connections) as client:
+        tasks = []
+        for index, request in enumerate(requests):
+            tasks.append(asyncio.create_task(one(client, index, request)))
+            if math.isfinite(request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / request_rate))
+        results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+def _server_model(base_url: str, api_key: str | None, timeout: float) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=timeout)
+    response.raise_for_status()
+    return response.json()["data"][0]
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    base_url = args.base_url.rstrip("/")
+    try:
+        card = _server_model(base_url, args.api_key, args.timeout)
+    except (httpx.HTTPError, KeyError, IndexError) as e:
+        sys.exit(f"pagedkv bench serve: cannot list the models of {base_url}: {e}")
+    model = args.model or card["id"]
+    prefix_len = args.prefix_len if args.dataset == "shared-prefix" else 0
+    max_model_len = card.get("max_model_len")
+    needed = prefix_len + args.input_len + args.output_len
+    if max_model_len is not None and needed > max_model_len:
+        sys.exit(
+            f"pagedkv bench serve: prompts of {prefix_len + args.input_len} tokens plus "
+            f"{args.output_len} output tokens exceed the server's max_model_len {max_model_len}"
+        )
+    try:
+        requests = sample_requests(
+            args.dataset,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            prefix_len=prefix_len,
+        )
+    except ValueError as e:
+        sys.exit(f"pagedkv bench serve: {e}")
+    results, duration = asyncio.run(
+        run_load(
+            base_url,
+            model,
+            requests,
+            api_key=args.api_key,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            timeout=args.timeout,
+            progress=not args.disable_tqdm,
+        )
+    )
+    summary = summarize(results, duration)
+    print(format_summary(summary))
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+    config.update(model=model, request_rate=str(args.request_rate))
+    if args.result_json:
+        save_json(args.result_json, config, summary, results)
+    if args.plot:
+        try:
+            plot_results(results, summary, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'pagedkv[bench]'", file=sys.stderr)
+    if summary["failed"]:
+        sys.exit(1)

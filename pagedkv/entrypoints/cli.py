@@ -1,0 +1,145 @@
+"""The ``pagedkv`` command: generate | serve | bench {throughput, serve}.
+
+Heavy imports (torch, the engine, the server) happen inside the command that needs them, so
+``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+
+_EXAMPLES = {
+    "generate": """examples:
+  pagedkv generate "def fibonacci(n):"
+  pagedkv generate "import os" "class Stack:" --max-tokens 64 --temperature 0.8 --seed 1
+  pagedkv generate --model path/to/hf_model "Hello" --stop "\\n\\n"
+
+--seed seeds each prompt's sampling, so a run is reproducible.""",
+    "serve": """examples:
+  pagedkv serve                                   # the built-in model on 127.0.0.1:8000
+  pagedkv serve path/to/hf_model --port 8001 --api-key secret --max-num-seqs 64
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'""",
+    "throughput": """examples:
+  pagedkv bench throughput --num-prompts 64 --input-len 128 --output-len 128
+  pagedkv bench throughput --dataset shared-prefix --prefix-len 512 --json out.json""",
+    "bench-serve": """examples:
+  pagedkv bench serve --num-prompts 200 --request-rate 8 --result-json r.json --plot r.png
+  pagedkv bench serve --dataset shared-prefix --prefix-len 256 --max-concurrency 16""",
+}
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    path = Path(args.model) if args.model else DEFAULT_MODEL_PATH
+    if not (path / "config.json").is_file():
+        hint = " (the built-in model is not installed)" if not args.model else ""
+        sys.exit(f"pagedkv: no model at {path}{hint}: pass a Hugging Face model directory")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from pagedkv.entrypoints.generate import run_generate
+
+    _check_model(args)
+    run_generate(args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from pagedkv.entrypoints.openai.api_server import run_server
+
+    _check_model(args)
+    run_server(args)
+
+
+def _bench_throughput(args: argparse.Namespace) -> None:
+    from pagedkv.entrypoints.bench.throughput import run_throughput
+
+    _check_model(args)
+    run_throughput(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from pagedkv.entrypoints.bench.serve import run_bench_serve
+
+    run_bench_serve(args)
+
+
+def _add_command(
+    subparsers,
+    name: str,
+    summary: str,
+    add_args: Callable[[argparse.ArgumentParser], None],
+    func: Callable[[argparse.Namespace], None],
+    examples: str,
+) -> None:
+    parser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_args(parser)
+    parser.set_defaults(func=func)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    # The argument definitions are light (no torch): import them eagerly.
+    from pagedkv.entrypoints import generate
+    from pagedkv.entrypoints.bench import serve as bench_serve
+    from pagedkv.entrypoints.bench import throughput
+    from pagedkv.entrypoints.openai import cli_args as serve_args
+
+    parser = argparse.ArgumentParser(
+        prog="pagedkv",
+        description="pagedkv: a paged-KV-cache LLM inference engine (vLLM V1 style).",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_command(
+        commands,
+        "generate",
+        "Complete prompts in one batch, streaming each completion to the terminal.",
+        generate.add_cli_args,
+        _generate,
+        _EXAMPLES["generate"],
+    )
+    _add_command(
+        commands,
+        "serve",
+        "Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions).",
+        serve_args.add_cli_args,
+        _serve,
+        _EXAMPLES["serve"],
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="Benchmarks: offline throughput, or load against a running server.",
+        description="Benchmarks: offline throughput, or load against a running server.",
+    )
+    benches = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    _add_command(
+        benches,
+        "throughput",
+        "Offline throughput of LLM.generate: requests/s, input and output tokens/s.",
+        throughput.add_cli_args,
+        _bench_throughput,
+        _EXAMPLES["throughput"],
+    )
+    _add_command(
+        benches,
+        "serve",
+        "Streaming load against a running server: TTFT, ITL, E2E percentiles, throughput.",
+        bench_serve.add_cli_args,
+        _bench_serve,
+        _EXAMPLES["bench-serve"],
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
+    args.func(args)

@@ -1,0 +1,141 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and the ``pagedkv serve`` runner.
+
+    /v1/completions, /v1/chat/completions, /v1/models   (``--api-key``: Bearer token required)
+    /health, /metrics                                    (open)
+
+Every error, including FastAPI's own (422 validation, 404 route), answers in OpenAI's format;
+validation errors become 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+from http import HTTPStatus
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
+from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
+from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.openai.metrics import PrometheusStatLogger
+from pagedkv.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 as a 400: the first problem, and the top-level body field it is in."""
+    error = exc.errors()[0]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid":
+        detail = error.get("ctx", {}).get("error", error.get("msg"))
+        return OpenAIError(f"request body is not valid JSON: {detail}")
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    where = ".".join(str(part) for part in loc)
+    return OpenAIError(f"{where}: {error.get('msg')}" if where else error.get("msg"), param)
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    served_model_name: str,
+    registry: CollectorRegistry,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app for one engine. ``registry`` holds its metrics (PrometheusStatLogger)."""
+    completions = OpenAIServingCompletion(async_llm, served_model_name)
+    chat = OpenAIServingChat(async_llm, served_model_name)
+
+    async def check_api_key(request: Request) -> None:
+        expected = f"Bearer {api_key}".encode()
+        given = request.headers.get("Authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise OpenAIError(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                status=HTTPStatus.UNAUTHORIZED,
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
+
+    @v1.get("/models")
+    async def list_models() -> ModelList:
+        card = ModelCard(
+            id=served_model_name,
+            root=str(async_llm.llm_engine.args.model_path),
+            max_model_len=async_llm.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @v1.post("/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    app = FastAPI(title="pagedkv", description="OpenAI-compatible API over a pagedkv engine")
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_llm.is_running:
+            raise OpenAIError("the engine is not running", status=HTTPStatus.SERVICE_UNAVAILABLE)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.to_json_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc).to_json_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
+
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    engine_args = EngineArgs.from_cli_args(args)
+    served_model_name = args.served_model_name or engine_args.model_path.name
+    registry = CollectorRegistry()
+    async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
+    app = build_app(
+        async_llm,
+        served_model_name,
+        registry,
+        api_key=args.api_key,
+        max_body_bytes=args.max_request_body_bytes,
+    )
+    logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        async_llm.shutdown()

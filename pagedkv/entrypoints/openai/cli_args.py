@@ -1,0 +1,39 @@
+"""``pagedkv serve`` flags (kept apart from the server so ``--help`` imports nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedkv.engine.engine_args import EngineArgs
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDKV_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model directory's name)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server and engine log level (default: %(default)s)",
+    )
+    EngineArgs.add_cli_args(parser, model_positional=True)

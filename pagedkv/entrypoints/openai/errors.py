@@ -1,0 +1,58 @@
+"""Errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """Raised by request handlers; the app turns it into an error response."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message,
+                type=_ERROR_TYPES.get(self.status, "InternalServerError"),
+                param=self.param,
+                code=int(self.status),
+            )
+        )
+
+    def to_json_response(self) -> JSONResponse:
+        return JSONResponse(self.to_response().model_dump(), status_code=int(self.status))
+
+
+def bad_request_from(error: ValueError, param_names: dict[str, str]) -> OpenAIError:
+    """A 400 for an engine ValueError.
+
+    The engine's validation messages start with the offending field (``"temperature must be
+    >= 0, got -1"``, ``"prompt has 300 tokens, ..."``); ``param_names`` maps such engine field
+    names to the request's own (``max_tokens`` -> ``max_completion_tokens``).
+    """
+    message = str(error)
+    first_word = message.split(" ", 1)[0]
+    return OpenAIError(message, param=param_names.get(first_word))

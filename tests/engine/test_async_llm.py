@@ -1,0 +1,133 @@
+"""AsyncLLM: a background engine thread, batched concurrent requests, abort, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedkv import EngineArgs, SamplingParams
+from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.scheduler_stats import SchedulerStats
+from tests.engine.conftest import assert_all_blocks_free
+from tests.tiny_models import random_prompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+class RecordingStatLogger:
+    def __init__(self) -> None:
+        self.stats: SchedulerStats | None = None
+        self.finished: list[RequestOutput] = []
+
+    def record(self, stats: SchedulerStats, finished: list[RequestOutput]) -> None:
+        self.stats = stats
+        self.finished.extend(finished)
+
+
+@pytest.fixture
+def async_llm(checkpoint):
+    llm = AsyncLLM(
+        EngineArgs(model=str(checkpoint("llama")), max_num_seqs=32), [RecordingStatLogger()]
+    )
+    yield llm
+    llm.shutdown()
+    assert_all_blocks_free(llm)  # the thread is gone: its engine may be inspected
+
+
+async def collect(stream) -> RequestOutput:
+    last = None
+    async for output in stream:
+        last = output
+    return last
+
+
+def test_concurrent_requests_share_steps_and_match_offline(async_llm, make_llm) -> None:
+    prompts = [random_prompt(5 + i % 7, seed=i) for i in range(16)]
+
+    async def run() -> list[RequestOutput]:
+        return await asyncio.gather(*(collect(async_llm.generate(p, GREEDY)) for p in prompts))
+
+    outputs = asyncio.run(run())
+    offline = make_llm("llama").generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in offline]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    stats = async_llm.stat_loggers[0].stats
+    assert stats.max_batch_size > 1 and stats.num_batched_steps > 0
+    assert len(async_llm.stat_loggers[0].finished) == len(prompts)
+
+
+def test_outputs_stream_cumulatively(async_llm) -> None:
+    async def run() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) async for o in async_llm.generate([7, 8, 9], GREEDY)]
+
+    seen = asyncio.run(run())
+    assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
+    assert len(seen[-1]) == GREEDY.max_tokens
+
+
+def test_bad_input_raises_in_the_caller(async_llm) -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            async_llm.add_request(None, [], GREEDY)
+        with pytest.raises(ValueError, match="prompt token ids"):
+            async_llm.add_request(None, [1, 100000], GREEDY)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            async_llm.add_request(None, [1, 2], SamplingParams(stop_token_ids=[256]))
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=2**64)  # beyond what a torch generator takes
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(async_llm.generate([1] * 1000, GREEDY))
+        stream = async_llm.add_request("dup", [1, 2], GREEDY)
+        taken = async_llm.add_request("dup", [1, 2], GREEDY)
+        await collect(stream)
+        with pytest.raises(ValueError, match="already in use"):
+            await collect(taken)
+
+    asyncio.run(run())
+
+
+def test_leaving_a_stream_aborts_and_frees_blocks(async_llm) -> None:
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    stat_logger = async_llm.stat_loggers[0]
+
+    async def run() -> None:
+        async for output in async_llm.generate(random_prompt(40, seed=1), long):
+            if len(output.outputs[0].token_ids) >= 2:
+                assert stat_logger.stats.kv_cache_usage > 0
+                break
+        for _ in range(100):
+            if stat_logger.finished:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    (aborted,) = stat_logger.finished
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert stat_logger.stats.kv_cache_usage == 0 and stat_logger.stats.num_running_reqs == 0
+
+
+def test_idle_engine_thread_does_not_spin(async_llm) -> None:
+    asyncio.run(collect(async_llm.generate([1, 2, 3], GREEDY)))
+    start = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - start < 0.05
+
+
+def test_shutdown_ends_streams_with_engine_dead_error(async_llm) -> None:
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run() -> None:
+        stream = async_llm.add_request(None, [1, 2, 3], long)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                async_llm.shutdown()
+        with pytest.raises(EngineDeadError):
+            async_llm.add_request(None, [1, 2, 3], long)
+
+    asyncio.run(run())
+    assert not async_llm.is_running
+    # Shutdown keeps the engine as it was; free what the interrupted request held.
+    async_llm.llm_engine.abort_request(list(async_llm.llm_engine.scheduler.requests))

@@ -1,0 +1,118 @@
+"""The ``pagedkv`` command: help, ``generate`` end to end, and both benchmarks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pagedkv.entrypoints.cli import main, make_parser
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, run_pagedkv
+
+COMMANDS = [[], ["generate"], ["serve"], ["bench"], ["bench", "throughput"], ["bench", "serve"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "pagedkv")
+def test_help(command: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: pagedkv")
+    if command in (["generate"], ["serve"], ["bench", "throughput"]):
+        assert "engine:" in text and "--max-num-seqs" in text and "examples:" in text
+
+
+def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_API_KEY", "from-env")
+    args = make_parser().parse_args(["serve", "some/model", "--max-num-seqs", "8"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "from-env")
+    assert args.model == "some/model" and args.max_num_seqs == 8
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no model at"):
+        main(["generate", "--model", str(tmp_path), "hello"])
+
+
+def test_generate_streams_completions_in_prompt_order(tiny_model: Path, server: Server) -> None:
+    prompts = ["w5 w17 w42 w99", "w9 w10", "w200"]
+    # Different lengths: later prompts finish first and must wait for their turn.
+    result = run_pagedkv("generate", "--model", str(tiny_model), *prompts, "--max-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    client = server.client()
+    expected = [
+        prompt
+        + client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0)
+        .choices[0]
+        .text
+        for prompt in prompts
+    ]
+    assert result.stdout == "\n\n".join(expected) + "\n"
+    assert "3 prompt(s): 7 prompt tokens, 18 generated tokens" in result.stderr
+    assert "tok/s" in result.stderr
+
+
+def test_generate_rejects_bad_input(tiny_model: Path) -> None:
+    result = run_pagedkv("generate", "--model", str(tiny_model), "w1", "--temperature", "-1")
+    assert result.returncode != 0 and "temperature must be >= 0" in result.stderr
+
+
+def test_bench_serve_writes_json_and_plot(server: Server, tmp_path: Path) -> None:
+    result_json, plot = tmp_path / "result.json", tmp_path / "plot.png"
+    result = run_pagedkv(
+        "bench", "serve",
+        "--base-url", server.base_url,
+        "--api-key", API_KEY,
+        "--dataset", "shared-prefix",
+        "--num-prompts", "12",
+        "--prefix-len", "32",
+        "--input-len", "8",
+        "--output-len", "6",
+        "--request-rate", "50",
+        "--max-concurrency", "8",
+        "--result-json", str(result_json),
+        "--plot", str(plot),
+        "--disable-tqdm",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Serving Benchmark Result" in result.stdout and "P99 TTFT (ms)" in result.stdout
+    report = json.loads(result_json.read_text())
+    summary = report["summary"]
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 12 * 40
+    assert summary["total_cached_tokens"] > 0  # the shared 32-token prefix is two full blocks
+    assert summary["total_output_tokens"] == 12 * 6
+    assert set(summary["ttft"]) == {"mean_ms", "p50_ms", "p90_ms", "p99_ms"}
+    requests = report["requests"]
+    assert sorted(r["index"] for r in requests) == list(range(12))
+    assert len({r["request_id"] for r in requests}) == 12
+    assert all(r["ok"] and len(r["itl"]) >= 1 for r in requests)
+    assert report["config"]["model"] == MODEL_NAME
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_serve_counts_failures(server: Server) -> None:
+    result = run_pagedkv(
+        "bench", "serve", "--base-url", server.base_url, "--api-key", API_KEY,
+        "--model", "no-such-model", "--num-prompts", "2", "--input-len", "4",
+        "--output-len", "2", "--disable-tqdm",
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "Failed requests:" in result.stdout and "HTTP 404" in result.stdout
+
+
+def test_bench_throughput(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    result = run_pagedkv(
+        "bench", "throughput", "--model", str(tiny_model),
+        "--num-prompts", "8", "--input-len", "24", "--output-len", "8",
+        "--json", str(out), "--disable-tqdm",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "requests/s" in result.stdout and "output tok/s" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["num_requests"] == 8 and figures["total_output_tokens"] == 64
+    assert figures["total_input_tokens"] == 8 * 24
+    assert figures["output_tokens_per_second"] > 0

@@ -1,0 +1,103 @@
+"""Concurrent clients are batched; a client that goes away has its request aborted and freed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import MODEL_NAME, Server
+
+NUM_CLIENTS = 32
+NEW_TOKENS = 16
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_concurrent_requests_are_batched(server: Server) -> None:
+    prompts = [f"w{3 + i} w{40 + i} w{90 + i}" for i in range(NUM_CLIENTS)]
+    client = server.client()
+    alone = client.completions.create(
+        model=MODEL_NAME, prompt=prompts[5], max_tokens=NEW_TOKENS, temperature=0
+    )
+
+    async def run() -> list:
+        async with server.async_client() as aclient:
+            return await asyncio.gather(
+                *(
+                    aclient.completions.create(
+                        model=MODEL_NAME,
+                        prompt=prompt,
+                        max_tokens=NEW_TOKENS,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for prompt in prompts
+                )
+            )
+
+    before = server.metrics()
+    outputs = asyncio.run(run())
+    after = server.metrics()
+
+    assert all(len(o.choices[0].text.split()) == NEW_TOKENS for o in outputs)
+    assert len({o.id for o in outputs}) == NUM_CLIENTS
+    # Batched greedy decoding gives what the request gets alone.
+    assert outputs[5].choices[0].text == alone.choices[0].text
+    steps = delta(after, before, "pagedkv:engine_steps_total")
+    tokens = delta(after, before, "pagedkv:generation_tokens_total")
+    assert tokens == NUM_CLIENTS * NEW_TOKENS
+    assert tokens / steps > 2, "concurrent requests should share engine steps"
+    assert delta(after, before, "pagedkv:batched_steps_total") > 0
+    assert after["pagedkv:max_batch_size"] > 1
+    assert delta(after, before, "pagedkv:request_success_total{finished_reason=length}") == 32
+    assert delta(after, before, "pagedkv:time_to_first_token_seconds_count") == NUM_CLIENTS
+    assert delta(after, before, "pagedkv:e2e_request_latency_seconds_count") == NUM_CLIENTS
+    itl_count = delta(after, before, "pagedkv:inter_token_latency_seconds_count")
+    assert itl_count == NUM_CLIENTS * (NEW_TOKENS - 1)
+    assert after["pagedkv:num_requests_running"] == after["pagedkv:num_requests_waiting"] == 0
+
+
+ABORTED = "pagedkv:request_success_total{finished_reason=abort}"
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
+    before = server.metrics()
+    stream = server.client().completions.create(
+        model=MODEL_NAME,
+        prompt=[3 + i for i in range(40)],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    assert next(chunks).choices[0].text
+    during = server.metrics()
+    assert during["pagedkv:num_requests_running"] == 1
+    assert during["pagedkv:kv_cache_usage_perc"] > 0
+    stream.close()
+
+    after = server.wait_for_metrics(lambda m: delta(m, before, ABORTED) == 1)
+    assert delta(after, before, ABORTED) == 1
+    assert after["pagedkv:num_requests_running"] == 0
+    assert after["pagedkv:kv_cache_usage_perc"] == 0
+    assert delta(after, before, "pagedkv:generation_tokens_total") < 200
+    server.assert_alive()
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(server: Server) -> None:
+    before = server.metrics()
+    with pytest.raises(httpx.TimeoutException):  # the client gives up before the answer
+        server.post(
+            "/v1/completions",
+            json={"prompt": "w1 w2", "max_tokens": 250, "ignore_eos": True},
+            timeout=httpx.Timeout(10, read=0.02),
+        )
+    after = server.wait_for_metrics(lambda m: delta(m, before, ABORTED) == 1)
+    assert delta(after, before, ABORTED) == 1
+    assert after["pagedkv:num_requests_running"] == 0
+    assert after["pagedkv:kv_cache_usage_perc"] == 0

@@ -1,0 +1,146 @@
+"""Bad requests get OpenAI-format errors naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import MODEL_NAME, Server
+
+MESSAGES = [{"role": "user", "content": "w9 w10"}]
+
+# (endpoint, request body, the param the error must name)
+BAD_REQUESTS = {
+    "prompt longer than max_model_len": ("completions", {"prompt": "w3 " * 300}, "prompt"),
+    "prompt ids fill max_model_len": ("completions", {"prompt": [3] * 256}, "prompt"),
+    "max_tokens 0": ("completions", {"prompt": "w1", "max_tokens": 0}, "max_tokens"),
+    "max_tokens negative": ("completions", {"prompt": "w1", "max_tokens": -5}, "max_tokens"),
+    "max_completion_tokens 0": (
+        "chat/completions",
+        {"messages": MESSAGES, "max_completion_tokens": 0},
+        "max_completion_tokens",
+    ),
+    "negative temperature": ("completions", {"prompt": "w1", "temperature": -0.5}, "temperature"),
+    "top_p out of range": ("completions", {"prompt": "w1", "top_p": 1.5}, "top_p"),
+    "max_tokens wrong type": ("completions", {"prompt": "w1", "max_tokens": "many"}, "max_tokens"),
+    "temperature wrong type": ("completions", {"prompt": "w1", "temperature": [1]}, "temperature"),
+    "prompt wrong type": ("completions", {"prompt": {"text": "w1"}}, "prompt"),
+    "prompt missing": ("completions", {"max_tokens": 3}, "prompt"),
+    "stop wrong type": ("completions", {"prompt": "w1", "stop": 5}, "stop"),
+    "empty text prompt": ("completions", {"prompt": ""}, "prompt"),
+    "empty token prompt": ("completions", {"prompt": []}, "prompt"),
+    "n > 1": ("completions", {"prompt": "w1", "n": 2}, "n"),
+    "token id above vocab": ("completions", {"prompt": [1, 2, 256]}, "prompt"),
+    "negative token id": ("completions", {"prompt": [1, -1]}, "prompt"),
+    "batched prompts": ("completions", {"prompt": ["w1", "w2"]}, "prompt"),
+    "seed beyond 64 bits": ("completions", {"prompt": "w1", "seed": 2**70}, "seed"),
+    "stop token id above vocab": (
+        "completions",
+        {"prompt": "w1", "stop_token_ids": [10**6], "min_tokens": 2},
+        "stop_token_ids",
+    ),
+    "logprobs above 20": ("completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
+    "echo unsupported": ("completions", {"prompt": "w1", "echo": True}, "echo"),
+    "no messages": ("chat/completions", {"messages": []}, "messages"),
+    "message without role": ("chat/completions", {"messages": [{"content": "w1"}]}, "messages"),
+    "top_logprobs without logprobs": (
+        "chat/completions",
+        {"messages": MESSAGES, "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    "top_logprobs above 20": (
+        "chat/completions",
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30},
+        "top_logprobs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_400_naming_the_field(server: Server, case: str) -> None:
+    endpoint, body, param = BAD_REQUESTS[case]
+    response = server.post(f"/v1/{endpoint}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400
+    assert error["param"] == param, error
+    assert error["message"]
+
+
+def test_bad_request_through_the_openai_client(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="w1", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    assert "temperature must be >= 0" in info.value.body["message"]
+    server.assert_alive()
+
+
+def test_unknown_model_is_404_naming_model(server: Server) -> None:
+    """OpenAI and vLLM answer an unknown model with 404 (openai.NotFoundError)."""
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client().completions.create(model="gpt-4", prompt="w1", max_tokens=1)
+    assert info.value.body["param"] == "model" and "gpt-4" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=1)
+
+
+def test_malformed_json_is_400(server: Server) -> None:
+    response = server.post(
+        "/v1/completions",
+        content=b'{"prompt": "w1", "max_tokens": ',
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError" and "JSON" in error["message"]
+    not_an_object = server.post("/v1/completions", json=["w1"])
+    assert not_an_object.status_code == 400
+    server.assert_alive()
+
+
+def test_body_over_the_limit_is_413(server: Server) -> None:
+    huge = b'{"prompt": "' + b"w1 " * (3 << 20) + b'"}'
+    response = server.post(
+        "/v1/completions", content=huge, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+    def chunked():  # no Content-Length: the limit must hold while reading
+        for _ in range(9):
+            yield b"w1 " * (1 << 20)
+
+    response = server.post("/v1/completions", content=chunked())
+    assert response.status_code == 413
+    server.assert_alive()
+
+
+def test_api_key_is_required_on_v1(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        server.client(api_key="wrong").models.list()
+    assert info.value.status_code == 401
+    assert info.value.body["type"] == "AuthenticationError"
+    for path, body in (("/v1/completions", {"prompt": "w1"}), ("/v1/chat/completions", {})):
+        assert httpx.post(f"{server.base_url}{path}", json=body).status_code == 401
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 401
+    # Health checks and scrapes stay open.
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+    server.assert_alive()
+
+
+def test_unknown_route_is_openai_format_404(server: Server) -> None:
+    response = httpx.get(f"{server.base_url}/v2/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "NotFoundError"
+
+
+def test_server_still_serves_after_the_errors(server: Server) -> None:
+    for case in BAD_REQUESTS.values():
+        server.post(f"/v1/{case[0]}", json=case[1])
+    server.assert_alive()
+    metrics = server.metrics()
+    assert metrics["pagedkv:num_requests_running"] == 0
+    assert metrics["pagedkv:kv_cache_usage_perc"] == 0
