@@ -128,11 +128,14 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
                 reply = True
             elif op == "stats":
                 connector = engine.model_runner.kv_connector
+                assert connector is not None
                 reply = {
                     "num_prompt_tokens": engine.get_stats().num_prompt_tokens,
                     "kv_cache_usage": engine.kv_cache_manager.usage,
                     "unfinished": engine.has_unfinished_requests(),
-                    "connector": connector.get_stats() if connector is not None else {},
+                    "connector": connector.get_kv_connector_stats()
+                    if connector is not None
+                    else {},
                 }
             elif op == "shutdown":
                 stop.set()

@@ -173,7 +173,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         largest = max(block_bytes(cache) for cache in kv_caches)
         self._chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
 
-    def get_stats(self) -> dict[str, int]:
+    def get_kv_connector_stats(self) -> dict[str, int]:
         out = self.stats.as_dict()
         rejected = dict(self.control.rejected)
         out["num_rejected_messages"] = sum(rejected.values())
