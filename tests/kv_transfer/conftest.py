@@ -28,17 +28,30 @@ from tests.entrypoints.conftest import (  # noqa: F401  (tiny_model: a session f
 from tests.kv_transfer.engine_host import EngineHost
 
 
-@pytest.fixture
-def start_engine(checkpoint, tmp_path) -> Iterator:  # noqa: F811
-    """``start_engine(name, arch="llama", hook=None, **engine_args)`` -> a running EngineHost."""
-    hosts: list[EngineHost] = []
-
+def _engine_starter(checkpoint, log_dir: Path, hosts: list[EngineHost]):  # noqa: F811
     def start(name: str, arch: str = "llama", hook: str | None = None, **engine_args):
-        host = EngineHost(checkpoint(arch), tmp_path, name, hook=hook, **engine_args)
+        host = EngineHost(checkpoint(arch), log_dir, name, hook=hook, **engine_args)
         hosts.append(host)
         return host
 
-    yield start
+    return start
+
+
+@pytest.fixture
+def start_engine(checkpoint, tmp_path) -> Iterator:  # noqa: F811
+    """``start_engine(name, arch="llama", hook=None, **engine_args)`` -> an EngineHost (booting
+    in the background: start P and D, then use them), closed after the test."""
+    hosts: list[EngineHost] = []
+    yield _engine_starter(checkpoint, tmp_path, hosts)
+    for host in hosts:
+        host.close()
+
+
+@pytest.fixture(scope="module")
+def start_module_engine(checkpoint, tmp_path_factory) -> Iterator:  # noqa: F811
+    """Like ``start_engine``, for engines the tests of a module share."""
+    hosts: list[EngineHost] = []
+    yield _engine_starter(checkpoint, tmp_path_factory.mktemp("engines"), hosts)
     for host in hosts:
         host.close()
 
