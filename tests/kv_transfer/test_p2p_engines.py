@@ -17,6 +17,8 @@ MAX_TOKENS = 8
 
 def disaggregate(p: EngineHost, d: EngineHost, prompts: list[list[int]], **d_params) -> list[dict]:
     """Dispatch every prompt to P (max_tokens=1) and D at once, as the proxy does; D's outputs."""
+    p.wait_ready()  # a booting P would eat into D's load deadline
+    d.wait_ready()
     ids = []
     for i, prompt in enumerate(prompts):
         tid = uuid.uuid4().hex
