@@ -91,6 +91,7 @@ def _peer(role: str, conn, args: dict) -> None:
         block_bytes,
         chunk_blocks_for,
         receive_layers,
+        scatter_blocks,
     )
 
     torch.set_num_threads(args["threads"])
@@ -153,7 +154,7 @@ def _peer(role: str, conn, args: dict) -> None:
         elif op == "connector":
 
             def scatter(layer, start, end, piece):
-                layer.cache.index_copy_(1, layer.block_ids[start:end], piece)
+                scatter_blocks(layer.cache, layer.block_ids[start:end], piece)
 
             receive_layers(
                 group.pg,
@@ -165,6 +166,27 @@ def _peer(role: str, conn, args: dict) -> None:
                 60,
                 scatter,
             )
+        elif op == "gloo":  # the same messages, without packing or scattering
+            if role == "P":
+                ready = next(BlockSender.gather(LayerBlocks(caches[0], ids), chunk_blocks))
+                sender = BlockSender(group.pg, group.peer_rank, 8, args["max_in_flight"], 60)
+                for cache in caches:
+                    for start, end in LayerBlocks(cache, ids).pieces(chunk_blocks):
+                        sender.send_piece(
+                            ready[:, : end - start] if end - start < len(ready[0]) else ready
+                        )
+                sender.finish()
+            else:
+                receive_layers(
+                    group.pg,
+                    group.peer_rank,
+                    8,
+                    [LayerBlocks(cache, ids) for cache in caches],
+                    chunk_blocks,
+                    args["max_in_flight"],
+                    60,
+                    lambda *_: None,
+                )
         elif op == "tcp" and role == "P":
             for cache in caches:
                 for kv in (0, 1):
@@ -228,9 +250,9 @@ def run_bandwidth(tokens: list[int], repeats: int, chunk_bytes: int, max_in_flig
         for n_tokens in tokens:
             num_blocks = n_tokens // BLOCK_SIZE
             total_bytes = n_tokens * BYTES_PER_TOKEN
-            times: dict[str, list[float]] = {"connector": [], "tcp": []}
+            times: dict[str, list[float]] = {"connector": [], "gloo": [], "tcp": []}
             for rep in range(repeats + 1):  # the first is a warm-up (page faults, buffers)
-                for op in ("connector", "tcp"):
+                for op in times:
                     command = {"op": op, "num_blocks": num_blocks, "seed": rep}
                     for role in ("D", "P"):
                         ask(role, command)
@@ -246,7 +268,8 @@ def run_bandwidth(tokens: list[int], repeats: int, chunk_bytes: int, max_in_flig
             print(
                 f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector "
                 f"{gbps['connector']:5.2f} GB/s   raw TCP {gbps['tcp']:5.2f} GB/s   "
-                f"ratio {gbps['connector'] / gbps['tcp']:4.2f}",
+                f"ratio {gbps['connector'] / gbps['tcp']:4.2f}   (gloo alone, no pack/scatter: "
+                f"{gbps['gloo']:5.2f} GB/s)",
                 flush=True,
             )
     finally:

@@ -58,7 +58,9 @@ from pagedkv.kv_transfer.p2p.transfer import (
     LayerBlocks,
     block_bytes,
     chunk_blocks_for,
+    gather_blocks,
     receive_layers,
+    scatter_blocks,
 )
 from pagedkv.kv_transfer.p2p.transfer_state import Inbound, Outbound, P2pStats, TransferState
 from pagedkv.utils import cdiv
@@ -448,7 +450,7 @@ class P2pConnectorWorker(KVConnectorWorker):
                 )
             return
         copies = [
-            cache.index_select(1, ids[self.layer_groups[layer]])
+            gather_blocks(cache, ids[self.layer_groups[layer]])
             for layer, cache in enumerate(self.kv_caches)
         ]
         self._pool.fill(rec.transfer_id, copies)
@@ -694,7 +696,7 @@ class P2pConnectorWorker(KVConnectorWorker):
     def _scatter(rec: Inbound, layer: LayerBlocks, start: int, end: int, piece) -> None:
         with rec.lock:
             if not rec.cancelled:
-                layer.cache.index_copy_(1, layer.block_ids[start:end], piece)
+                scatter_blocks(layer.cache, layer.block_ids[start:end], piece)
 
     def _on_nack(self, peer: PeerAddr, nack: Nack) -> None:
         self._heard(peer)
