@@ -93,10 +93,12 @@ class Done(msgspec.Struct, frozen=True):
 
 
 class Nack(msgspec.Struct, frozen=True):
-    """P -> D: P will not send this transfer (unknown, expired, pool full, aborted...)."""
+    """P -> D: P will not send this transfer (unknown, expired, pool full, aborted...).
+    ``group_lost``: P has no pair group of that generation any more; D should start anew."""
 
     transfer_id: str
     reason: str
+    group_lost: bool = False
 
 
 class Cancel(msgspec.Struct, frozen=True):

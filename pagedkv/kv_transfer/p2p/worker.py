@@ -295,7 +295,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         if problem is not None:
             self._end_outbound(rec, REFUSED, problem)
             return
-        rec.state = SENDING
+        rec.state, rec.begun = SENDING, True
         stream = _Stream(rec, group, self._next_tag(), self._source_ids(rec))
         self.control.send(
             rec.peer, XferBegin(rec.transfer_id, group.name, stream.tag, self._chunk_blocks)
@@ -386,6 +386,7 @@ class P2pConnectorWorker(KVConnectorWorker):
             self.control.send(
                 rec.peer, XferBegin(rec.transfer_id, group.name, tag, self._chunk_blocks)
             )
+            rec.begun = True
             sender = self._block_sender(group, tag)
             for layer, source in enumerate(sources):
                 sender.send_layer(
@@ -426,10 +427,14 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._leases.renew(rec.transfer_id)
 
     def _send_failed(self, rec: Outbound, group: PairGroup | None, error: Exception) -> None:
+        """Before XFER_BEGIN, D hears a NACK; after it, D's receive fails with the group."""
+        reason = f"send failed: {error}"
         with self._lock:
-            self._end_outbound(rec, FAILED, f"send failed: {error}")
+            self._end_outbound(rec, FAILED, reason)
+            if not rec.begun and rec.peer is not None:
+                self.control.send(rec.peer, Nack(rec.transfer_id, reason, group_lost=True))
         if group is not None:
-            self.groups.drop(group.peer.engine_id, f"send failed: {error}", group.name)
+            self.groups.drop(group.peer.engine_id, reason, group.name)
 
     def _copy_to_pool(self, rec: Outbound) -> None:
         """GET: copy the request's prompt blocks into the send pool, then free them."""
@@ -505,6 +510,12 @@ class P2pConnectorWorker(KVConnectorWorker):
                 return
             if not self.config.is_kv_producer:
                 self.control.send(peer, Nack(want.transfer_id, "not a KV producer"))
+                return
+            group = self.groups.get(peer.engine_id)
+            if group is None or group.name != want.group:
+                why = f"refused: no pair group {want.group[:8]} with {peer.engine_id}"
+                self._tombstone(want.transfer_id, why)
+                self.control.send(peer, Nack(want.transfer_id, why, group_lost=True))
                 return
             rec = self._record(want.transfer_id)
             if rec.want is not None:
@@ -702,8 +713,11 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._heard(peer)
         with self._lock:
             rec = self._inbound_by_tid.get(nack.transfer_id)
-            if rec is not None and rec.spec.remote == peer and rec.state is PENDING:
-                self._end_inbound(rec, REFUSED, nack.reason)
+            if rec is None or rec.spec.remote != peer or rec.state is not PENDING:
+                return
+            self._end_inbound(rec, REFUSED, nack.reason)
+        if nack.group_lost:  # the next load to this P sets up a fresh group
+            self.groups.drop(peer.engine_id, "P lost the pair group", rec.group)
 
     # ================================================================== both: groups, liveness
     def _on_hello(self, peer: PeerAddr, hello: Hello) -> None:
@@ -752,12 +766,21 @@ class P2pConnectorWorker(KVConnectorWorker):
                 logger.exception("p2p maintenance error (continuing)")
 
     def _expire_leases(self, now: float) -> None:
+        """P: end overdue transfers; a D none of whose transfers is left lost its group."""
+        silent: dict[str, PeerAddr] = {}
         for transfer_id in self._leases.expired(now):
             rec = self._outbound.get(transfer_id)
             if rec is None:
                 self._leases.release(transfer_id)
             elif rec.state in (PENDING, SENT):
                 self._end_outbound(rec, EXPIRED, f"no word from D in {self._leases.lease_s}s")
+                if rec.peer is not None:
+                    silent[rec.peer.engine_id] = rec.peer
+        busy = {rec.peer.engine_id for rec in self._outbound.values() if rec.peer is not None}
+        for engine_id, peer in silent.items():
+            if engine_id not in busy:
+                self.groups.drop(engine_id, "missed heartbeats")
+                self.control.forget(peer)
 
     def _check_peers(self, now: float) -> None:
         """D: fail the loads of a P that stopped answering, and tear its group down."""
