@@ -38,8 +38,9 @@ def xpyd(cluster_factory):
     proxy = cluster.proxy()
     servers, configs = {}, {}
     for name, send_type in PREFILLERS.items():
+        # A short lease: a P whose D died before its WANT frees within seconds (test below).
         servers[name], configs[name] = cluster.serve(
-            name, "kv_producer", proxy, send_type=send_type
+            name, "kv_producer", proxy, send_type=send_type, lease_s=3.0
         )
     for name in DECODERS:
         servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy)
