@@ -225,3 +225,27 @@ def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() ->
             g.close()
         for plane in planes:
             plane.close()
+
+
+# ---------------------------------------------------------------------------- config
+def test_extra_config_is_validated_naming_the_key() -> None:
+    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+    from pagedkv.kv_transfer.p2p.config import P2pConfig
+
+    def config(**extra) -> P2pConfig:
+        return P2pConfig.from_kv_transfer_config(
+            KVTransferConfig("P2pConnector", "kv_producer", kv_connector_extra_config=extra)
+        )
+
+    assert config(send_type="GET", proxy_ip="127.0.0.1").send_type == "GET"
+    for bad, match in (
+        ({"sendtype": "GET"}, "unknown kv_connector_extra_config key"),
+        ({"send_type": "PUSH"}, "send_type"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"chunk_bytes": 0.5}, "chunk_bytes"),
+        ({"shared_secret": ""}, "shared_secret"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            config(**bad)
+    with pytest.raises(ValueError, match="kv_port"):
+        P2pConfig.from_kv_transfer_config(KVTransferConfig("P2pConnector", "kv_both", kv_port=0))

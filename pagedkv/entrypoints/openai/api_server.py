@@ -150,6 +150,7 @@ def run_server(args: argparse.Namespace) -> None:
         if registration is not None:
             registration.close()
         async_llm.shutdown()
+        async_llm.llm_engine.shutdown()  # the KV connector's threads and sockets
 
 
 def start_registration(

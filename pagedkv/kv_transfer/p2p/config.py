@@ -10,6 +10,8 @@ from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 SECRET_ENV = "PAGEDKV_KV_SECRET"
+#: Extra-config keys read by ``pagedkv serve`` (registration with a ``pagedkv proxy``).
+SERVER_KEYS = ("proxy_ip", "proxy_port", "proxy_heartbeat_s")
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,18 @@ class P2pConfig:
 
     @classmethod
     def from_kv_transfer_config(cls, config: KVTransferConfig) -> P2pConfig:
-        """Our keys from the extra config (others, e.g. ``proxy_ip``, belong to the server);
-        the secret falls back to ``$PAGEDKV_KV_SECRET``."""
+        """Our keys from the extra config (``proxy_*`` belong to the server; any other key is
+        an error); the secret falls back to ``$PAGEDKV_KV_SECRET``."""
         if config.kv_port == 0:
             raise ValueError("the P2P connector needs a fixed kv_transfer_config.kv_port (not 0)")
         extra = config.kv_connector_extra_config
+        known = {f.name for f in fields(cls)} | set(SERVER_KEYS)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for the P2P connector; "
+                f"known: {sorted(known)}"
+            )
         values: dict[str, Any] = {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
         values.setdefault("shared_secret", os.environ.get(SECRET_ENV) or None)
         return cls(**values)
