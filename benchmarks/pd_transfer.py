@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,8 +81,29 @@ def _layer_caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
     return caches
 
 
+#: Blocks per run in the "runs" placement: a free queue handing out runs of consecutive
+#: blocks, the runs themselves anywhere in the cache (a fragmented pool).
+RUN_BLOCKS = 16
+PLACEMENTS = ("random", "runs", "contiguous")
+
+
+def block_ids(num_cache_blocks: int, n: int, placement: str, gen: torch.Generator) -> torch.Tensor:
+    """``n`` block ids in [1, num_cache_blocks), a different draw on each side:
+    "random"      every block anywhere (worst case: every message packed and scattered)
+    "runs"        runs of RUN_BLOCKS anywhere (messages of one run: too small to go direct)
+    "contiguous"  one range at a random offset (a fresh pool: D receives in place)"""
+    if placement == "random":
+        return torch.randperm(num_cache_blocks - 1, generator=gen)[:n] + 1
+    if placement == "contiguous":
+        return torch.randint(0, num_cache_blocks - n, (1,), generator=gen) + torch.arange(n) + 1
+    num_runs = (num_cache_blocks - 1) // RUN_BLOCKS
+    starts = torch.randperm(num_runs, generator=gen)[: -(-n // RUN_BLOCKS)]
+    return (starts[:, None] * RUN_BLOCKS + torch.arange(RUN_BLOCKS)).flatten()[:n] + 1
+
+
 def _peer(role: str, conn, args: dict) -> None:
     """One side of the bandwidth test (a spawned process). Commands arrive as JSON."""
+    from pagedkv.kv_transfer.p2p.config import P2pConfig
     from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
     from pagedkv.kv_transfer.p2p.pair_group import PairGroups
     from pagedkv.kv_transfer.p2p.protocol import Codec, Hello, PeerAddr, StoreSet
@@ -90,9 +112,15 @@ def _peer(role: str, conn, args: dict) -> None:
         LayerBlocks,
         block_bytes,
         chunk_blocks_for,
+        plan_segments,
         receive_layers,
-        scatter_blocks,
+        runs,
     )
+
+    class Guard:  # nothing cancels a benchmark transfer; "drain" receives into staging only
+        def __init__(self, cancelled: bool) -> None:
+            self.lock = threading.Lock()
+            self.cancelled = cancelled
 
     torch.set_num_threads(args["threads"])
     me = PeerAddr(role, "127.0.0.1", args[f"{role}_port"])
@@ -137,56 +165,40 @@ def _peer(role: str, conn, args: dict) -> None:
             peer_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.send(json.dumps({"ok": True}))
             continue
-        # Scattered blocks (never the null block), different on each side, same for both.
+        # Where the request's blocks are on each side (never the null block), different on P
+        # and D, known to both: see ``block_ids``.
         gen = torch.Generator().manual_seed(command["seed"])
         n = command["num_blocks"]
-        src_ids, dst_ids = (torch.randperm(num_blocks - 1, generator=gen)[:n] + 1 for _ in "PD")
+        src_ids, dst_ids = (block_ids(num_blocks, n, args["placement"], gen) for _ in "PD")
         ids = src_ids if role == "P" else dst_ids
+        # D's plan, as in P2pConnectorWorker._plan: direct into runs of its blocks when long
+        # enough, else staged and scattered.
+        dst_list = dst_ids.tolist()
+        mean_run = len(dst_list) / len(runs(dst_list))
+        half_block = block_bytes(caches[0]) // 2
+        direct = min(mean_run, chunk_blocks) * half_block >= P2pConfig.direct_min_bytes
+        segments = plan_segments(dst_list, chunk_blocks, direct)
+        layers = [LayerBlocks(cache, ids, segments) for cache in caches]
         group = groups.get("P" if role == "D" else "D")
         conn.send(json.dumps({"armed": True}))
         json.loads(conn.recv())  # "go"
         t0 = time.monotonic()
-        if op == "connector" and role == "P":
-            sender = BlockSender(group.pg, group.peer_rank, 7, args["max_in_flight"], 60)
-            for cache in caches:
-                sender.send_layer(LayerBlocks(cache, ids), chunk_blocks)
+        if op in ("connector", "gloo") and role == "P":
+            sender = BlockSender(group.pg, group.peer_rank, 7, args["in_flight_bytes"], 60)
+            if op == "connector":
+                for layer in layers:
+                    sender.send_layer(layer)
+            else:  # the same messages from one ready buffer: no packing
+                ready = caches[0][0, : max(segments)].clone()
+                for layer in layers:
+                    for _, start, end in layer.messages():
+                        sender.send(ready[: end - start])
             sender.finish()
-        elif op == "connector":
-
-            def scatter(layer, start, end, piece):
-                scatter_blocks(layer.cache, layer.block_ids[start:end], piece)
-
+        elif op in ("connector", "gloo"):  # "gloo": into staging, no scatter
+            guard = Guard(cancelled=op == "gloo")
             receive_layers(
-                group.pg,
-                group.peer_rank,
-                7,
-                [LayerBlocks(cache, ids) for cache in caches],
-                chunk_blocks,
-                args["max_in_flight"],
-                60,
-                scatter,
+                group.pg, group.peer_rank, 7, layers, direct, args["in_flight_bytes"], 60, guard
             )
-        elif op == "gloo":  # the same messages, without packing or scattering
-            if role == "P":
-                ready = next(BlockSender.gather(LayerBlocks(caches[0], ids), chunk_blocks))
-                sender = BlockSender(group.pg, group.peer_rank, 8, args["max_in_flight"], 60)
-                for cache in caches:
-                    for start, end in LayerBlocks(cache, ids).pieces(chunk_blocks):
-                        sender.send_piece(
-                            ready[:, : end - start] if end - start < len(ready[0]) else ready
-                        )
-                sender.finish()
-            else:
-                receive_layers(
-                    group.pg,
-                    group.peer_rank,
-                    8,
-                    [LayerBlocks(cache, ids) for cache in caches],
-                    chunk_blocks,
-                    args["max_in_flight"],
-                    60,
-                    lambda *_: None,
-                )
         elif op == "tcp" and role == "P":
             for cache in caches:
                 for kv in (0, 1):
@@ -205,22 +217,26 @@ def _peer(role: str, conn, args: dict) -> None:
             layer = NUM_LAYERS - 1
             expected = ((src_ids + layer) % 1024).to(DTYPE)
             check = bool(torch.equal(caches[layer][1, dst_ids, -1, -1, -1], expected))
-        conn.send(json.dumps({"t0": t0, "t1": t1, "check": check}))
+        conn.send(json.dumps({"t0": t0, "t1": t1, "check": check, "direct": direct}))
     if peer_sock is not None:
         peer_sock.close()
     groups.close()
     plane.close()
 
 
-def run_bandwidth(tokens: list[int], repeats: int, chunk_bytes: int, max_in_flight: int) -> list:
-    max_blocks = max(tokens) // BLOCK_SIZE
+def run_bandwidth(
+    tokens: list[int], repeats: int, chunk_bytes: int, in_flight_bytes: int, placement: str
+) -> list:
+    # Room for the largest prompt (in runs, and with slack to place it contiguously).
+    max_blocks = -(-max(tokens) // BLOCK_SIZE // RUN_BLOCKS) * RUN_BLOCKS * 5 // 4
     args = {
+        "placement": placement,
         "P_port": free_port(),
         "D_port": free_port(),
         "tcp_port": free_port(),
         "max_blocks": max_blocks,
         "chunk_bytes": chunk_bytes,
-        "max_in_flight": max_in_flight,
+        "in_flight_bytes": in_flight_bytes,
         "threads": max(1, (os.cpu_count() or 2) // 2),
     }
     ctx = mp.get_context("spawn")
@@ -265,8 +281,9 @@ def run_bandwidth(tokens: list[int], repeats: int, chunk_bytes: int, max_in_flig
                         times[op].append(d["t1"] - min(d["t0"], p["t0"]))
             gbps = {op: total_bytes / statistics.median(t) / 1e9 for op, t in times.items()}
             rows.append((n_tokens, total_bytes, gbps["connector"], gbps["tcp"]))
+            mode = "direct" if d["direct"] else "staged"
             print(
-                f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector "
+                f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector ({mode}) "
                 f"{gbps['connector']:5.2f} GB/s   raw TCP {gbps['tcp']:5.2f} GB/s   "
                 f"ratio {gbps['connector'] / gbps['tcp']:4.2f}   (gloo alone, no pack/scatter: "
                 f"{gbps['gloo']:5.2f} GB/s)",
@@ -415,7 +432,12 @@ def main() -> None:
     ap.add_argument("--tokens", default=None, help="prompt lengths for (a), e.g. 1024,16384")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--chunk-mib", type=float, default=8, help="max message size, MiB")
-    ap.add_argument("--max-in-flight", type=int, default=4)
+    ap.add_argument("--in-flight-mib", type=float, default=32, help="bytes in flight each way")
+    ap.add_argument(
+        "--placement",
+        default="random,contiguous",
+        help=f"comma-separated, of {PLACEMENTS}: where a request's blocks are (see block_ids)",
+    )
     ap.add_argument("--ttft-prompt-len", type=int, default=2048)
     ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     args = ap.parse_args()
@@ -428,13 +450,22 @@ def main() -> None:
     repeats = args.repeats or (3 if quick else 5)
     print(f"machine: {machine_info()}")
     if args.part in ("all", "bandwidth"):
-        print(
-            f"(a) KV transfer P -> D, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x "
-            f"{HEAD_SIZE} x fp16 ({BYTES_PER_TOKEN // 1024} KiB/token), blocks of {BLOCK_SIZE}, "
-            f"messages <= {args.chunk_mib:g} MiB, {args.max_in_flight} in flight, "
-            f"median of {repeats}"
-        )
-        run_bandwidth(tokens, repeats, int(args.chunk_mib * 2**20), args.max_in_flight)
+        for placement in args.placement.split(","):
+            if placement not in PLACEMENTS:
+                ap.error(f"--placement: {placement!r} is not one of {PLACEMENTS}")
+            print(
+                f"(a) KV transfer P -> D, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x "
+                f"{HEAD_SIZE} x fp16 ({BYTES_PER_TOKEN // 1024} KiB/token), blocks of "
+                f"{BLOCK_SIZE} placed {placement}, messages <= {args.chunk_mib:g} MiB, "
+                f"{args.in_flight_mib:g} MiB in flight, median of {repeats}"
+            )
+            run_bandwidth(
+                tokens,
+                repeats,
+                int(args.chunk_mib * 2**20),
+                int(args.in_flight_mib * 2**20),
+                placement,
+            )
     if args.part in ("all", "ttft"):
         n = 5 if quick else 10
         print(

@@ -5,7 +5,7 @@ The child steps its engine on a thread whenever it has work; the parent sends JS
 (no pickle on the pipe either). Every wait has a timeout; ``close`` always reaps the child.
 
 Test hooks (``hook=``), applied inside the child only:
-  "die_mid_transfer"  P SIGKILLs itself right after its first KV piece went out
+  "die_mid_transfer"  P SIGKILLs itself right after its first KV message went out
   "die_after_want"    D exits 0.3 s after it sent its first WANT
 """
 
@@ -49,14 +49,14 @@ def _apply_hook(hook: str) -> None:
     from pagedkv.kv_transfer.p2p import transfer, worker
 
     if hook == "die_mid_transfer":
-        original_send = transfer.BlockSender.send_piece
+        original_send = transfer.BlockSender.send
 
-        def send_then_die(self, piece):
-            original_send(self, piece)
+        def send_then_die(self, message):
+            original_send(self, message)
             self._wait_oldest()
             os.kill(os.getpid(), signal.SIGKILL)
 
-        transfer.BlockSender.send_piece = send_then_die
+        transfer.BlockSender.send = send_then_die
     elif hook == "die_after_want":
         original_load = worker.P2pConnectorWorker._start_load
 

@@ -57,18 +57,25 @@ def pair(start_engine, arch="llama", p_extra=None, d_extra=None, p_hook=None, d_
 @pytest.fixture(scope="module")
 def shared(start_module_engine) -> SimpleNamespace:
     """A P (PUT_ASYNC, 1 s lease) and two Ds (fail / recompute policy, 3 s load deadline) that
-    the tests below share; each test looks at the counters' change, not their values."""
+    the tests below share; each test looks at the counters' change, not their values. D-fail
+    stages and scatters what it receives; D-recompute receives straight into runs of its
+    blocks (``direct_min_bytes=0``: tiny blocks would never qualify otherwise)."""
 
-    def consumer(policy: str) -> EngineHost:
+    def consumer(policy: str, **extra) -> EngineHost:
         config = p2p_config(
-            "kv_consumer", f"D-{policy}", kv_load_failure_policy=policy, kv_load_timeout=3.0
+            "kv_consumer",
+            f"D-{policy}",
+            kv_load_failure_policy=policy,
+            kv_load_timeout=3.0,
+            **extra,
         )
         return start_module_engine(f"D-{policy}", kv_transfer_config=config)
 
     p = start_module_engine(
         "P-shared", kv_transfer_config=p2p_config("kv_producer", "P-shared", lease_s=1.0)
     )
-    return SimpleNamespace(p=p, d={policy: consumer(policy) for policy in ("fail", "recompute")})
+    d = {"fail": consumer("fail"), "recompute": consumer("recompute", direct_min_bytes=0)}
+    return SimpleNamespace(p=p, d=d)
 
 
 def changes(host: EngineHost, before: dict) -> dict[str, int]:
@@ -82,7 +89,7 @@ def test_a_hybrid_model_disaggregated_equals_a_single_instance_and_frees_every_b
 ) -> None:
     """Full-attention and sliding-window groups (the null block is never sent); the three
     send types with a plain model are covered over HTTP (test_pd_proxy)."""
-    p, d = pair(start_engine, "qwen2_hybrid")
+    p, d = pair(start_engine, "qwen2_hybrid", d_extra={"direct_min_bytes": 0})
     prompts = [random_prompt(n, seed=n) for n in (5, 16, 23, 47, 90)]
     outs = disaggregate(p, d, prompts)
     assert [o["token_ids"] for o in outs] == reference_outputs("qwen2_hybrid", prompts, MAX_TOKENS)
@@ -93,9 +100,12 @@ def test_a_hybrid_model_disaggregated_equals_a_single_instance_and_frees_every_b
     assert p_stats["connector"]["num_sends_delivered"] == len(prompts)
 
 
-def test_a_partial_local_prefix_hit_moves_only_the_missing_blocks(shared, reference_outputs):
-    p, d = shared.p, shared.d["fail"]
-    shared_prefix = random_prompt(40, seed=7)
+@pytest.mark.parametrize("policy", ["fail", "recompute"], ids=["staged", "direct"])
+def test_a_partial_local_prefix_hit_moves_only_the_missing_blocks(
+    shared, reference_outputs, policy
+) -> None:
+    p, d = shared.p, shared.d[policy]
+    shared_prefix = random_prompt(40, seed=7 + (policy == "recompute"))
     # D serves a request on its own first: the first 2 full blocks (32 tokens) get cached.
     d.add("warm", shared_prefix, max_tokens=1)
     d.wait(["warm"])
@@ -120,9 +130,7 @@ def test_p_dying_mid_transfer_ends_the_load_by_policy(
     p = start_engine(
         "P-dies",
         hook="die_mid_transfer",
-        kv_transfer_config=p2p_config(
-            "kv_producer", f"P-dies-{policy}", send_type="PUT", chunk_bytes=4096
-        ),
+        kv_transfer_config=p2p_config("kv_producer", f"P-dies-{policy}", send_type="PUT"),
     )
     before = d.wait_settled()["connector"]
     prompt = random_prompt(100, seed=9)

@@ -28,12 +28,18 @@ from pagedkv.kv_transfer.p2p.protocol import (
 )
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.store import PairStore
-from pagedkv.kv_transfer.p2p.transfer import BlockSender, LayerBlocks, receive_layers
+from pagedkv.kv_transfer.p2p.transfer import (
+    BlockSender,
+    LayerBlocks,
+    plan_segments,
+    receive_layers,
+    runs,
+)
 from tests.kv_transfer.engine_host import free_port
 
 SECRET = b"unit-secret"
 ME = PeerAddr("engine-a", "127.0.0.1", 1)
-WANT = Want("t1", "g", 40, "h", [[1, 2]])
+WANT = Want("t1", "g", 40, "h", [[1, 2]], [[2]])
 
 
 def codec(secret: bytes | None = SECRET, compat: str = "fp", limit: int = 4096) -> Codec:
@@ -72,7 +78,7 @@ def test_every_kind_of_bad_message_is_rejected_with_its_reason() -> None:
 
 def test_the_mac_covers_envelope_and_payload() -> None:
     env, payload, mac = codec().encode(WANT, ME)
-    other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]]), ME)
+    other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]], [[2]]), ME)
     assert _reason([env, other[1], mac]) == "unauthenticated"
 
 
@@ -157,7 +163,14 @@ def _two_instances():
     return planes, groups
 
 
-def test_a_pair_group_moves_blocks_chunked_and_in_order() -> None:
+class Guard:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_pair_group_moves_blocks_in_planned_messages(direct: bool) -> None:
     planes, groups = _two_instances()
     a, b = groups["engine-a"], groups["engine-b"]
     try:
@@ -170,40 +183,50 @@ def test_a_pair_group_moves_blocks_chunked_and_in_order() -> None:
         assert not dist.is_initialized()  # no global world
 
         torch.manual_seed(0)
-        src = [torch.randn(2, 12, 4, 2, 8) for _ in range(3)]  # 3 layers, 12 blocks
+        src = [torch.randn(2, 16, 4, 2, 8).half() for _ in range(3)]  # 3 layers, 16 blocks
         dst = [torch.zeros_like(c) for c in src]
-        src_ids, dst_ids = torch.tensor([3, 7, 1, 9, 4]), torch.tensor([2, 5, 6, 10, 11])
-        scattered = []
-
-        def scatter(layer, start, end, piece):
-            scattered.append(end - start)
-            layer.cache.index_copy_(1, layer.block_ids[start:end], piece)
-
+        src_ids = [3, 7, 1, 9, 4, 5, 6]  # P: scattered, then a run (5, 6)
+        dst_ids = [2, 3, 4, 10, 11, 12, 13] if direct else [13, 2, 8, 5, 11, 1, 14]
+        segments = plan_segments(dst_ids, chunk_blocks=2, direct=direct)
+        assert segments == ([2, 1, 2, 2] if direct else [2, 2, 2, 1])
+        src_t, dst_t = torch.tensor(src_ids), torch.tensor(dst_ids)
         result = {}
         receiver = threading.Thread(
             target=lambda: result.update(
                 n=receive_layers(
-                    pg_b, 0, 5, [LayerBlocks(c, dst_ids) for c in dst], 2, 2, 10, scatter
+                    pg_b, 0, 5, [LayerBlocks(c, dst_t, segments) for c in dst], direct, 2048, 10,
+                    Guard(), deadline=time.monotonic() + 10,
                 )
             )
-        )
+        )  # fmt: skip
         receiver.start()
-        sender = BlockSender(pg_a, 1, 5, max_in_flight=2, timeout_s=10)
+        sender = BlockSender(pg_a, 1, 5, in_flight_bytes=2048, timeout_s=10)
         for cache in src:
-            sender.send_layer(LayerBlocks(cache, src_ids), chunk_blocks=2)
+            sender.send_layer(LayerBlocks(cache, src_t, segments))
         sender.finish()
         receiver.join(10)
-        assert scattered == [2, 2, 1] * 3
         for s, d in zip(src, dst):
-            assert torch.equal(d[:, dst_ids], s[:, src_ids])
-            untouched = [i for i in range(12) if i not in dst_ids.tolist()]
+            assert torch.equal(d[:, dst_t], s[:, src_t])
+            untouched = [i for i in range(16) if i not in dst_ids]
             assert not d[:, untouched].any()
-        assert result["n"] == sender.num_bytes == 3 * 5 * src[0][:, 0].numel() * 4
+        assert result["n"] == sender.num_bytes == 3 * 7 * src[0][:, 0].numel() * 2
     finally:
         for g in groups.values():
             g.close()
         for plane in planes:
             plane.close()
+
+
+def test_runs_and_segments() -> None:
+    assert runs([4, 5, 6, 9, 2, 3]) == [3, 1, 2] and runs([]) == []
+    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=2, direct=True) == [2, 1, 1, 2]
+    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=4, direct=False) == [4, 2]
+    layer = LayerBlocks(torch.arange(2 * 8.0).view(2, 8, 1, 1, 1), torch.tensor([2, 3, 6]), [2, 1])
+    assert list(layer.messages()) == [(0, 0, 2), (1, 0, 2), (0, 2, 3), (1, 2, 3)]
+    assert layer.run_start(0, 2) == 2 and layer.run_start(1, 3) is None
+    view = layer.pack(1, 0, 2, copy=False)  # a run: the cache itself, no copy
+    assert view.data_ptr() == layer.cache[1, 2].data_ptr() and view.flatten().tolist() == [10, 11]
+    assert layer.pack(0, 1, 3, copy=False).flatten().tolist() == [3.0, 6.0]
 
 
 def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() -> None:

@@ -42,8 +42,9 @@ def xpyd(cluster_factory):
         servers[name], configs[name] = cluster.serve(
             name, "kv_producer", proxy, send_type=send_type, lease_s=3.0
         )
-    for name in DECODERS:
-        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy)
+    for name in DECODERS:  # D-0 receives in place into runs of its blocks, D-1 stages
+        extra = {"direct_min_bytes": 0} if name == "D-0" else {}
+        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy, **extra)
     cluster.ready(*servers.values())
     proxy.wait_for_instances(len(PREFILLERS), len(DECODERS))
     return SimpleNamespace(proxy=proxy, servers=servers, configs=configs)
@@ -118,7 +119,7 @@ def test_hostile_control_messages_are_rejected_logged_and_survived(xpyd) -> None
     endpoint = f"tcp://127.0.0.1:{config['kv_port']}"
     me = PeerAddr("intruder", "127.0.0.1", 1)
     signed = Codec("not-the-fingerprint", SECRET.encode(), 1 << 20)
-    want = Want("t", "g", 1, "h", [[0]])
+    want = Want("t", "g", 1, "h", [[0]], [[1]])
     envelope, payload, _ = signed.encode(want, me)
     wrong_version = msgspec.msgpack.encode(Envelope(PROTOCOL_VERSION + 1, "fp", "want", me))
     ctx = zmq.Context()

@@ -31,7 +31,11 @@ class P2pConfig:
     transfer_timeout_s: float = 30.0
     #: KV travels in messages of at most this many bytes (whole blocks), several in flight.
     chunk_bytes: int = 8 << 20
-    max_in_flight: int = 4
+    #: Bytes of messages in flight each way (many small messages or a few large ones).
+    in_flight_bytes: int = 32 << 20
+    #: D receives straight into its blocks (no staging, no scatter) when its blocks form runs
+    #: whose messages average at least this many bytes; else it stages and scatters.
+    direct_min_bytes: int = 1 << 20
     #: Threads that send for PUT_ASYNC / serve GET pulls (P), and that receive (D).
     num_send_threads: int = 2
     num_recv_threads: int = 4
@@ -56,7 +60,9 @@ class P2pConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config.{name} must be > 0, got {value!r}")
-        for name in ("chunk_bytes", "max_in_flight", "num_send_threads", "num_recv_threads"):
+        if not isinstance(self.direct_min_bytes, int) or self.direct_min_bytes < 0:
+            raise ValueError("kv_connector_extra_config.direct_min_bytes must be an integer >= 0")
+        for name in ("chunk_bytes", "in_flight_bytes", "num_send_threads", "num_recv_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(

@@ -65,23 +65,24 @@ class Want(msgspec.Struct, frozen=True):
     """D -> P: send me these blocks of ``transfer_id`` over pair group ``group``.
 
     ``block_indices[g]`` are positions in the request's block table of KV cache group ``g``
-    (D lacks them; D never asks for a position it holds as the null block)."""
+    (D lacks them; D never asks for a position it holds as the null block). ``segments[g]``
+    cut them into messages (lengths, summing to ``len(block_indices[g])``; see transfer.py)."""
 
     transfer_id: str
     group: str
     num_prompt_tokens: int
     prompt_hash: str
     block_indices: list[list[int]]
+    segments: list[list[int]]
 
 
 class XferBegin(msgspec.Struct, frozen=True):
     """P -> D: the data of ``transfer_id`` follows on ``group`` with gloo tag ``tag``: for each
-    layer in order, its wanted blocks in messages of at most ``chunk_blocks`` blocks."""
+    layer in order, each segment of the WANT as a K message and a V message."""
 
     transfer_id: str
     group: str
     tag: int
-    chunk_blocks: int
 
 
 class Done(msgspec.Struct, frozen=True):

@@ -70,11 +70,15 @@ class Outbound:
 
 @dataclass(eq=False)
 class Inbound:
-    """D's side of one load. ``lock`` orders scatters against cancellation: once ``cancelled`` is
-    set under it, no byte of this transfer is written into the paged cache any more."""
+    """D's side of one load. ``lock`` orders writes into the paged cache against cancellation:
+    once ``cancelled`` is set under it, no receive into the blocks is posted and nothing is
+    scattered; the load is reported ended once the receives already posted have completed."""
 
     spec: LoadSpec
     group: str = ""
+    #: How the data arrives (planned in ``_start_load``; see transfer.py).
+    segments: list[list[int]] = field(default_factory=list)
+    direct: bool = False
     state: TransferState = TransferState.PENDING
     cancelled: bool = False
     reported: bool = False

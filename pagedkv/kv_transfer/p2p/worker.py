@@ -24,7 +24,6 @@ failed with its blocks in ``invalid_block_ids``; the scheduler applies kv_load_f
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import queue
@@ -59,8 +58,9 @@ from pagedkv.kv_transfer.p2p.transfer import (
     block_bytes,
     chunk_blocks_for,
     gather_blocks,
+    plan_segments,
     receive_layers,
-    scatter_blocks,
+    runs,
 )
 from pagedkv.kv_transfer.p2p.transfer_state import Inbound, Outbound, P2pStats, TransferState
 from pagedkv.utils import cdiv
@@ -82,6 +82,10 @@ DELIVERED, REFUSED, FAILED, EXPIRED = (
 )
 
 
+#: No single message may be larger, whatever a WANT asks for.
+MAX_MESSAGE_BYTES = 256 << 20
+
+
 class TransferError(RuntimeError):
     pass
 
@@ -90,10 +94,12 @@ class _Stream:
     """A transfer sent from inside the forward pass that computes its last prompt tokens."""
 
     def __init__(self, rec: Outbound, group: PairGroup, tag: int, src_ids: list[torch.Tensor]):
+        assert rec.want is not None
         self.rec = rec
         self.group = group
         self.tag = tag
         self.src_ids = src_ids
+        self.segments = rec.want.segments
         self.sender: BlockSender | None = None  # PUT: sent layer by layer on the engine thread
         self.pieces: queue.Queue[torch.Tensor] = queue.Queue()  # PUT_ASYNC: to the send pool
         self.error: Exception | None = None
@@ -110,6 +116,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self.kv_caches: list[torch.Tensor] = []
         self.layer_groups: list[int] = []
         self._chunk_blocks = 1
+        self._half_block_bytes = 1
         self._lock = threading.RLock()
         self._finished = KVConnectorOutput()
         # P
@@ -127,7 +134,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._inbound_by_tid: dict[str, Inbound] = {}  # by transfer id, until terminal
         #: Loads cancelled before P's data began (D) -> (spec, expiry): if the data comes
         #: anyway it is drained (never scattered), which keeps the pair group in step.
-        self._cancelled: dict[str, tuple[LoadSpec, float]] = {}
+        self._cancelled: dict[str, tuple[Inbound, float]] = {}
         self._last_heard: dict[str, float] = {}
 
         codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes)
@@ -173,6 +180,7 @@ class P2pConnectorWorker(KVConnectorWorker):
                 groups[int(name.split(".")[1])] = gid
         self.layer_groups = groups
         largest = max(block_bytes(cache) for cache in kv_caches)
+        self._half_block_bytes = largest // 2
         self._chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
 
     def get_kv_connector_stats(self) -> dict[str, int]:
@@ -215,13 +223,13 @@ class P2pConnectorWorker(KVConnectorWorker):
         for stream in self._streams:
             if stream.error is not None:
                 continue
-            layer = LayerBlocks(kv_cache, stream.src_ids[group])
+            layer = LayerBlocks(kv_cache, stream.src_ids[group], stream.segments[group])
             if stream.sender is None:  # PUT_ASYNC: copy now, the send pool sends
-                for piece in BlockSender.gather(layer, self._chunk_blocks):
-                    stream.pieces.put(piece)
+                for message in BlockSender.pack_all(layer, copy=True):
+                    stream.pieces.put(message)
                 continue
-            try:
-                stream.sender.send_layer(layer, self._chunk_blocks)
+            try:  # PUT: this layer leaves before the forward goes on
+                stream.sender.send_layer(layer)
                 stream.sender.finish()
             except Exception as e:
                 stream.error = e
@@ -297,9 +305,7 @@ class P2pConnectorWorker(KVConnectorWorker):
             return
         rec.state, rec.begun = SENDING, True
         stream = _Stream(rec, group, self._next_tag(), self._source_ids(rec))
-        self.control.send(
-            rec.peer, XferBegin(rec.transfer_id, group.name, stream.tag, self._chunk_blocks)
-        )
+        self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, stream.tag))
         if self.p2p_config.send_type == "PUT":
             stream.sender = self._block_sender(group, stream.tag)
         else:
@@ -337,6 +343,12 @@ class P2pConnectorWorker(KVConnectorWorker):
             limit = min(len(ids), num_prompt_blocks)
             if any(not 0 <= i < limit or ids[i] == 0 for i in indices):
                 return "WANT names blocks outside the prompt or skipped by P's window"
+        if len(want.segments) != len(want.block_indices) or any(
+            sum(segments) != len(indices)
+            or any(not 0 < n <= MAX_MESSAGE_BYTES // self._half_block_bytes for n in segments)
+            for segments, indices in zip(want.segments, want.block_indices)
+        ):
+            return "WANT's message segments do not cut its blocks into sane messages"
         return None
 
     def _source_ids(self, rec: Outbound) -> list[torch.Tensor]:
@@ -357,7 +369,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         assert group.pg is not None
         p2p = self.p2p_config
         return BlockSender(
-            group.pg, group.peer_rank, tag, p2p.max_in_flight, p2p.transfer_timeout_s
+            group.pg, group.peer_rank, tag, p2p.in_flight_bytes, p2p.transfer_timeout_s
         )
 
     def _ready_group(self, rec: Outbound) -> PairGroup:
@@ -382,16 +394,13 @@ class P2pConnectorWorker(KVConnectorWorker):
                 sources = entry.layers
             src_ids = self._source_ids(rec)
             tag = self._next_tag()
-            assert rec.peer is not None
-            self.control.send(
-                rec.peer, XferBegin(rec.transfer_id, group.name, tag, self._chunk_blocks)
-            )
+            assert rec.peer is not None and rec.want is not None
+            self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, tag))
             rec.begun = True
             sender = self._block_sender(group, tag)
-            for layer, source in enumerate(sources):
-                sender.send_layer(
-                    LayerBlocks(source, src_ids[self.layer_groups[layer]]), self._chunk_blocks
-                )
+            for layer, source in enumerate(sources):  # held blocks or the pool: they stay put
+                g = self.layer_groups[layer]
+                sender.send_layer(LayerBlocks(source, src_ids[g], rec.want.segments[g]))
             sender.finish()
         except Exception as e:
             self._send_failed(rec, group, e)
@@ -402,12 +411,10 @@ class P2pConnectorWorker(KVConnectorWorker):
         """PUT_ASYNC: send the pieces ``save_kv_layer`` queues, as the forward produces them."""
         rec = stream.rec
         sender = self._block_sender(stream.group, stream.tag)
-        num_pieces = sum(
-            cdiv(len(stream.src_ids[g]), self._chunk_blocks) for g in self.layer_groups
-        )
+        num_messages = sum(2 * len(stream.segments[g]) for g in self.layer_groups)
         try:
-            for _ in range(num_pieces):
-                sender.send_piece(stream.pieces.get(timeout=self.p2p_config.transfer_timeout_s))
+            for _ in range(num_messages):
+                sender.send(stream.pieces.get(timeout=self.p2p_config.transfer_timeout_s))
             sender.finish()
         except Exception as e:
             self._send_failed(rec, stream.group, e)
@@ -579,6 +586,7 @@ class P2pConnectorWorker(KVConnectorWorker):
             self._end_inbound(rec, FAILED, f"pair group: {e}")
             return
         rec.group = group.name
+        rec.direct, rec.segments = self._plan(spec)
         self.control.send(
             spec.remote,
             Want(
@@ -587,20 +595,30 @@ class P2pConnectorWorker(KVConnectorWorker):
                 spec.num_prompt_tokens,
                 spec.prompt_hash,
                 spec.block_indices,
+                rec.segments,
             ),
         )
+
+    def _plan(self, spec: LoadSpec) -> tuple[bool, list[list[int]]]:
+        """Direct (into runs of D's blocks) when runs are long enough, else staged."""
+        targets = [[spec.block_ids[g][i] for i in ix] for g, ix in enumerate(spec.block_indices)]
+        lengths = [n for ids in targets for n in runs(ids)]
+        mean_run = sum(lengths) / len(lengths) if lengths else 0
+        message_blocks = min(mean_run, self._chunk_blocks)
+        direct = message_blocks * self._half_block_bytes >= self.p2p_config.direct_min_bytes
+        return direct, [plan_segments(ids, self._chunk_blocks, direct) for ids in targets]
 
     def _cancel_load(self, request_id: str, reason: str) -> None:
         rec = self._inbound.get(request_id)
         if rec is None:
             return  # already ended (its finished_recving is on its way)
         if rec.state is PENDING:
-            self._cancelled[rec.spec.transfer_id] = (rec.spec, time.monotonic() + 60)
+            self._cancelled[rec.spec.transfer_id] = (rec, time.monotonic() + 60)
             self._end_inbound(rec, FAILED, reason)
         elif rec.state is RECEIVING:
-            with rec.lock:  # after this no piece of it is scattered: the blocks may go
+            with rec.lock:  # nothing more is posted into or scattered into its blocks
                 rec.cancelled = True
-            self._report_load(rec, ok=False)
+            # Reported when _receive returns: receives already posted may still land.
 
     def _report_load(self, rec: Inbound, ok: bool) -> None:
         """finished_recving, exactly once per load; failed blocks go to invalid_block_ids."""
@@ -639,19 +657,15 @@ class P2pConnectorWorker(KVConnectorWorker):
         with self._lock:
             rec = self._inbound_by_tid.get(begin.transfer_id)
             if rec is None:
-                cancelled = self._cancelled.pop(begin.transfer_id, None)
-                if cancelled is not None and cancelled[0].remote == peer:
-                    drain = Inbound(cancelled[0], begin.group, RECEIVING, cancelled=True)
-                    drain.reported = True
-                    self._receivers.submit(self._receive, drain, begin)
+                cancelled, _ = self._cancelled.pop(begin.transfer_id, (None, 0.0))
+                if cancelled is not None and cancelled.spec.remote == peer:
+                    cancelled.cancelled = True  # drained into staging, never into blocks
+                    self._receivers.submit(self._receive, cancelled, begin)
                 else:
                     logger.warning("data for unknown transfer %s from %s", begin.transfer_id, peer)
                 return
             if rec.spec.remote != peer or rec.state is not PENDING:
                 logger.warning("unexpected XFER_BEGIN for %s from %s", begin.transfer_id, peer)
-                return
-            if not 1 <= begin.chunk_blocks <= max(1, self._chunk_blocks * 64):
-                self._end_inbound(rec, FAILED, f"bad chunk size {begin.chunk_blocks}")
                 return
             rec.state = RECEIVING
             self._receivers.submit(self._receive, rec, begin)
@@ -659,11 +673,14 @@ class P2pConnectorWorker(KVConnectorWorker):
     def _receive(self, rec: Inbound, begin: XferBegin) -> None:
         spec = rec.spec
         assert spec.remote is not None
+        targets = self._target_ids(spec)
         layers = [
-            LayerBlocks(cache, ids)
-            for cache, ids in zip(self.kv_caches, self._target_ids(spec, self.layer_groups))
+            LayerBlocks(cache, targets[g], rec.segments[g])
+            for cache, g in zip(self.kv_caches, self.layer_groups)
         ]
         p2p = self.p2p_config
+        with self._lock:  # a load cancelled before its data began is drained, never stored
+            draining = self._inbound_by_tid.get(spec.transfer_id) is not rec
         num_bytes, error = 0, None
         try:
             group = self.groups.get(spec.remote.engine_id)
@@ -675,16 +692,18 @@ class P2pConnectorWorker(KVConnectorWorker):
                 group.peer_rank,
                 begin.tag,
                 layers,
-                begin.chunk_blocks,
-                p2p.max_in_flight,
+                rec.direct,
+                p2p.in_flight_bytes,
                 p2p.transfer_timeout_s,
-                functools.partial(self._scatter, rec),
+                rec,
+                # Not past the scheduler's deadline for this load (it started then, too).
+                deadline=None if draining else rec.started + self.config.kv_load_timeout,
             )
         except Exception as e:
             error = e
             self.groups.drop(spec.remote.engine_id, f"receive failed: {e}", begin.group)
         with self._lock:
-            if self._inbound_by_tid.get(spec.transfer_id) is not rec:  # drained after a cancel
+            if draining:
                 self.control.send(spec.remote, Done(spec.transfer_id, False, "cancelled"))
             elif rec.cancelled:
                 self._end_inbound(rec, FAILED, "cancelled while receiving (drained)")
@@ -696,18 +715,12 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._end_inbound(rec, DELIVERED, f"{num_bytes} bytes")
 
     @staticmethod
-    def _target_ids(spec: LoadSpec, layer_groups: list[int]) -> list[torch.Tensor]:
-        per_group = [
+    def _target_ids(spec: LoadSpec) -> list[torch.Tensor]:
+        """Per group, D's blocks in wire order."""
+        return [
             torch.tensor([spec.block_ids[g][i] for i in ix], dtype=torch.int64)
             for g, ix in enumerate(spec.block_indices)
         ]
-        return [per_group[g] for g in layer_groups]
-
-    @staticmethod
-    def _scatter(rec: Inbound, layer: LayerBlocks, start: int, end: int, piece) -> None:
-        with rec.lock:
-            if not rec.cancelled:
-                scatter_blocks(layer.cache, layer.block_ids[start:end], piece)
 
     def _on_nack(self, peer: PeerAddr, nack: Nack) -> None:
         self._heard(peer)
@@ -794,10 +807,9 @@ class P2pConnectorWorker(KVConnectorWorker):
                 reason = f"P {remote.engine_id} silent for {self.p2p_config.peer_timeout_s}s"
                 if rec.state is PENDING:
                     self._end_inbound(rec, FAILED, reason)
-                elif not rec.cancelled:
+                else:  # its receive fails with the group (dropped below) and reports
                     with rec.lock:
                         rec.cancelled = True
-                    self._report_load(rec, ok=False)
         for engine_id, peer in silent.items():
             self.groups.drop(engine_id, "peer silent")
             self.control.forget(peer)
