@@ -192,7 +192,7 @@ def receive_layers(
     if not messages:
         return 0
     ref = layers[0].cache
-    max_elems = max(layer.cache[0, :1].numel() * max(layer.segments) for layer in layers)
+    max_elems = max(layer.cache[0, :1].numel() * max(layer.segments, default=0) for layer in layers)
     #: Staging buffers are made as needed (none when every message goes direct), then reused.
     staging: list[torch.Tensor] = []
     num_staging_left = max(2, in_flight_bytes // (max_elems * ref.element_size()))

@@ -12,10 +12,12 @@ Threads (all daemons, all waits bounded):
 The flow, P and D dispatched concurrently by the proxy::
 
   D  admits request: async load of blocks [h/bs, ceil(n/bs))
-  D  -> P  Hello(group) (first contact only) + WANT(transfer_id, group, indices, prompt hash)
+  D  -> P  Hello(group) (first contact only) + WANT(transfer_id, group, indices, prompt hash,
+           segments: how D wants the blocks cut into messages)
   P  prefills; once "KV computed" and "WANT arrived" both hold:
-  P  -> D  XFER_BEGIN(transfer_id, tag, chunk_blocks), then the blocks over gloo, per layer
-  D  scatters into its blocks, reports finished_recving, -> P  DONE(ok)
+  P  -> D  XFER_BEGIN(transfer_id, group, tag), then the blocks over gloo, per layer
+  D  receives them into its blocks (in place, or staged + scattered), reports
+     finished_recving, -> P  DONE(ok)
   P  reports finished_sending (its blocks are freed)
 
 While D waits it sends HEARTBEATs (renewing P's lease; P answers). Any failure ends the load as
