@@ -75,6 +75,31 @@ def reference_outputs(checkpoint):  # noqa: F811
 
 # ---------------------------------------------------------------------------- over HTTP
 SECRET = "test-kv-secret"
+MAX_TOKENS = 8
+
+
+def complete(client, prompt: list[int], stream: bool) -> str:
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    if not stream:
+        return client.completions.create(**kwargs).choices[0].text
+    chunks = client.completions.create(stream=True, **kwargs)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def total(servers, names, metric: str) -> float:
+    return sum(servers[n].metrics().get(metric, 0.0) for n in names)
+
+
+def wait_all_blocks_free(servers) -> None:
+    for name, server in servers.items():
+        metrics = server.wait_for_metrics(lambda m: m["pagedkv:kv_cache_usage_perc"] == 0)
+        assert metrics["pagedkv:kv_cache_usage_perc"] == 0, f"{name} still holds blocks"
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:

@@ -24,10 +24,15 @@ from pagedkv.kv_transfer.p2p.protocol import (
     Want,
 )
 from tests.entrypoints.conftest import MODEL_NAME
-from tests.kv_transfer.conftest import SECRET
+from tests.kv_transfer.conftest import (
+    MAX_TOKENS,
+    SECRET,
+    complete,
+    total,
+    wait_all_blocks_free,
+)
 from tests.tiny_models import random_prompt
 
-MAX_TOKENS = 8
 PREFILLERS = {"P-put": "PUT", "P-async": "PUT_ASYNC", "P-get": "GET"}
 DECODERS = ("D-0", "D-1")
 
@@ -48,30 +53,6 @@ def xpyd(cluster_factory):
     cluster.ready(*servers.values())
     proxy.wait_for_instances(len(PREFILLERS), len(DECODERS))
     return SimpleNamespace(proxy=proxy, servers=servers, configs=configs)
-
-
-def complete(client, prompt: list[int], stream: bool) -> str:
-    kwargs = dict(
-        model=MODEL_NAME,
-        prompt=prompt,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        extra_body={"ignore_eos": True},
-    )
-    if not stream:
-        return client.completions.create(**kwargs).choices[0].text
-    chunks = client.completions.create(stream=True, **kwargs)
-    return "".join(c.choices[0].text for c in chunks if c.choices)
-
-
-def total(servers, names, metric: str) -> float:
-    return sum(servers[n].metrics().get(metric, 0.0) for n in names)
-
-
-def wait_all_blocks_free(servers) -> None:
-    for name, server in servers.items():
-        metrics = server.wait_for_metrics(lambda m: m["pagedkv:kv_cache_usage_perc"] == 0)
-        assert metrics["pagedkv:kv_cache_usage_perc"] == 0, f"{name} still holds blocks"
 
 
 def test_xpyd_greedy_outputs_equal_a_single_instance_for_every_send_type(
