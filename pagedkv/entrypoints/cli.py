@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: generate | serve | bench {throughput, serve}.
+"""The ``pagedkv`` command: generate | serve | proxy | bench {throughput, serve}.
 
 Heavy imports (torch, the engine, the server) happen inside the command that needs them, so
 ``--help`` is instant.
@@ -25,6 +25,15 @@ _EXAMPLES = {
   pagedkv serve path/to/hf_model --port 8001 --api-key secret --max-num-seqs 64
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'""",
+    "proxy": """examples:
+  pagedkv proxy --port 10001 --registry-port 30001 --routing least_loaded
+  pagedkv serve M --port 8100 --kv-transfer-config '{"kv_connector":"P2pConnector",
+      "kv_role":"kv_producer","kv_port":14579,"kv_connector_extra_config":
+      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'          # a P; a D says kv_consumer
+  curl localhost:10001/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
+
+Registrations are HMAC-checked when $PAGEDKV_KV_SECRET is set (set it on every instance too).""",
     "throughput": """examples:
   pagedkv bench throughput --num-prompts 64 --input-len 128 --output-len 128
   pagedkv bench throughput --dataset shared-prefix --prefix-len 512 --json out.json""",
@@ -53,6 +62,12 @@ def _serve(args: argparse.Namespace) -> None:
 
     _check_model(args)
     run_server(args)
+
+
+def _proxy(args: argparse.Namespace) -> None:
+    from pagedkv.entrypoints.proxy.app import run_proxy
+
+    run_proxy(args)
 
 
 def _bench_throughput(args: argparse.Namespace) -> None:
@@ -93,6 +108,7 @@ def make_parser() -> argparse.ArgumentParser:
     from pagedkv.entrypoints.bench import serve as bench_serve
     from pagedkv.entrypoints.bench import throughput
     from pagedkv.entrypoints.openai import cli_args as serve_args
+    from pagedkv.entrypoints.proxy import cli_args as proxy_args
 
     parser = argparse.ArgumentParser(
         prog="pagedkv",
@@ -114,6 +130,14 @@ def make_parser() -> argparse.ArgumentParser:
         serve_args.add_cli_args,
         _serve,
         _EXAMPLES["serve"],
+    )
+    _add_command(
+        commands,
+        "proxy",
+        "Front P and D instances (prefill/decode disaggregation) with one OpenAI HTTP API.",
+        proxy_args.add_cli_args,
+        _proxy,
+        _EXAMPLES["proxy"],
     )
     bench = commands.add_parser(
         "bench",

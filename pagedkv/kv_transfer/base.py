@@ -134,5 +134,9 @@ class KVConnectorWorker(ABC):
     def get_finished(self) -> KVConnectorOutput:
         """Transfers that reached their terminal state since the last call."""
 
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """Counters and gauges since start, by name (exported as ``pagedkv:kv_transfer_*``)."""
+        return {}
+
     def shutdown(self) -> None:
         return None

@@ -45,3 +45,8 @@ register_connector(
     "pagedkv.kv_transfer.store.connector:StoreConnector",
     "pagedkv.kv_transfer.store.worker:StoreConnectorWorker",
 )
+register_connector(
+    "P2pConnector",
+    "pagedkv.kv_transfer.p2p.connector:P2pConnector",
+    "pagedkv.kv_transfer.p2p.worker:P2pConnectorWorker",
+)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import secrets
 from http import HTTPStatus
 
@@ -24,7 +25,7 @@ from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
 from pagedkv.entrypoints.openai.errors import OpenAIError
-from pagedkv.entrypoints.openai.metrics import PrometheusStatLogger
+from pagedkv.entrypoints.openai.metrics import KVTransferCollector, PrometheusStatLogger
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,9 @@ from pagedkv.entrypoints.openai.protocol import (
 )
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.proxy.registry import Register, RegistrationClient
+from pagedkv.kv_transfer.p2p.config import SECRET_ENV
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,11 @@ def run_server(args: argparse.Namespace) -> None:
     served_model_name = args.served_model_name or engine_args.model_path.name
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
+    registration = None
+    connector = async_llm.llm_engine.model_runner.kv_connector
+    if connector is not None:
+        registry.register(KVTransferCollector(connector.get_kv_connector_stats, served_model_name))
+        registration = start_registration(async_llm, args, served_model_name)
     app = build_app(
         async_llm,
         served_model_name,
@@ -138,4 +147,47 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
+        if registration is not None:
+            registration.close()
         async_llm.shutdown()
+        async_llm.llm_engine.shutdown()  # the KV connector's threads and sockets
+
+
+def start_registration(
+    async_llm: AsyncLLM, args: argparse.Namespace, served_model_name: str
+) -> RegistrationClient | None:
+    """With ``kv_connector_extra_config.proxy_ip``/``proxy_port``, announce this instance to
+    a ``pagedkv proxy`` (heartbeats every ``proxy_heartbeat_s``, default 2 s)."""
+    engine = async_llm.llm_engine
+    kv = engine.kv_transfer_config
+    assert kv is not None
+    extra = kv.kv_connector_extra_config
+    if "proxy_ip" not in extra or "proxy_port" not in extra:
+        return None
+    secret = extra.get("shared_secret") or os.environ.get(SECRET_ENV)
+    host = args.host if args.host not in ("", "0.0.0.0", "::") else kv.kv_ip
+    http_url = f"http://{host}:{args.port}"
+    fingerprint = engine.model_fingerprint()
+
+    def describe() -> Register:
+        stats = engine.scheduler.stats  # plain ints written by the engine thread
+        return Register(
+            role=kv.kv_role,
+            http_url=http_url,
+            model=served_model_name,
+            fingerprint=fingerprint,
+            num_running=stats.num_running_reqs,
+            num_waiting=stats.num_waiting_reqs,
+        )
+
+    client = RegistrationClient(
+        extra["proxy_ip"],
+        int(extra["proxy_port"]),
+        PeerAddr(kv.engine_id, kv.kv_ip, kv.kv_port),
+        describe,
+        secret.encode() if secret else None,
+        float(extra.get("proxy_heartbeat_s", 2.0)),
+    )
+    client.start()
+    logger.info("registering with the proxy at %s:%s", extra["proxy_ip"], extra["proxy_port"])
+    return client

@@ -6,7 +6,10 @@ every step. It writes into the registry it is given, so two servers can share a 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.scheduler_stats import SchedulerStats
@@ -95,3 +98,21 @@ class PrometheusStatLogger:
                 self.inter_token_latency.observe(latency)
             if metrics.e2e_latency is not None:
                 self.e2e_request_latency.observe(metrics.e2e_latency)
+
+
+class KVTransferCollector:
+    """A KV connector's counters (``get_kv_connector_stats``), read at each scrape:
+    ``pagedkv:kv_transfer_<name>`` (counters for ``num_*``, gauges otherwise)."""
+
+    def __init__(self, stats: Callable[[], dict[str, int | float]], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in sorted(self._stats().items()):
+            family = CounterMetricFamily if name.startswith("num_") else GaugeMetricFamily
+            metric = family(
+                f"pagedkv:kv_transfer_{name}", f"KV transfer: {name}", labels=["model_name"]
+            )
+            metric.add_metric([self._model_name], value)
+            yield metric

@@ -1,0 +1,1 @@
+"""The PD proxy: service discovery, routing and the OpenAI-compatible front end."""

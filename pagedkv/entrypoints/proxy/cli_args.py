@@ -1,0 +1,57 @@
+"""``pagedkv proxy`` flags (kept apart from the app so ``--help`` imports nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("proxy")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="HTTP address to bind (default: %(default)s)"
+    )
+    g.add_argument("--port", type=int, default=10001, help="HTTP port (default: %(default)s)")
+    g.add_argument(
+        "--registry-host",
+        default="127.0.0.1",
+        help="address of the ZMQ registry instances register with (default: %(default)s)",
+    )
+    g.add_argument(
+        "--registry-port", type=int, default=30001, help="registry port (default: %(default)s)"
+    )
+    g.add_argument("--routing", default="round_robin", choices=ROUTING_POLICIES)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDKV_PROXY_API_KEY"),
+        help="require 'Authorization: Bearer KEY' from clients (default: $PAGEDKV_PROXY_API_KEY)",
+    )
+    g.add_argument(
+        "--upstream-api-key",
+        default=os.environ.get("PAGEDKV_API_KEY"),
+        help="the key the proxy sends to the instances (default: $PAGEDKV_API_KEY)",
+    )
+    g.add_argument(
+        "--instance-timeout",
+        type=float,
+        default=6.0,
+        help="drop an instance after this many seconds without a heartbeat (default: %(default)s)",
+    )
+    g.add_argument(
+        "--connect-timeout", type=float, default=5.0, help="upstream connect timeout, seconds"
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="longest wait for any upstream byte, seconds (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="P/D pairs tried per request before answering 503 (default: %(default)s)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -1,0 +1,198 @@
+"""Service discovery for the PD proxy: instances announce themselves over ZMQ with heartbeats.
+
+Each ``pagedkv serve`` with ``kv_connector_extra_config.proxy_ip``/``proxy_port`` runs a
+``RegistrationClient`` that sends a ``Register`` every ``proxy_heartbeat_s`` (2 s) to the proxy's
+registry ROUTER. The envelope's sender is the instance's KV address (engine id, kv_ip, kv_port);
+the message adds its role, HTTP URL, model and model fingerprint, and its load. Messages use
+the connector's Codec (size limits, version, namespace check, HMAC-SHA256 when a secret is
+set), so a rogue process without the secret can't register itself and receive prompts. An
+instance not heard from for ``timeout_s`` drops out; one that says ``Deregister`` drops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
+from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr
+
+logger = logging.getLogger(__name__)
+
+#: The registry's namespace in the envelope (the KV control plane uses the model fingerprint).
+REGISTRY_NAMESPACE = "pagedkv-registry-v1"
+MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
+PREFILL_ROLES = ("kv_producer", "kv_both")
+DECODE_ROLES = ("kv_consumer", "kv_both")
+
+
+class Register(msgspec.Struct, frozen=True):
+    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender."""
+
+    role: str  # kv_role: kv_producer | kv_consumer | kv_both
+    http_url: str
+    model: str
+    #: Model, dtype and KV layout: the proxy pairs P and D only when these are equal.
+    fingerprint: str
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+class Deregister(msgspec.Struct, frozen=True):
+    """I am shutting down."""
+
+
+REGISTRY_MESSAGES: dict[str, type[msgspec.Struct]] = {
+    "register": Register,
+    "deregister": Deregister,
+}
+
+
+def registry_codec(secret: bytes | None) -> Codec:
+    return Codec(REGISTRY_NAMESPACE, secret, MAX_REGISTRY_MESSAGE_BYTES, REGISTRY_MESSAGES)
+
+
+@dataclass
+class Instance:
+    kv: PeerAddr
+    info: Register
+    last_seen: float
+
+    @property
+    def engine_id(self) -> str:
+        return self.kv.engine_id
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.info.role in PREFILL_ROLES
+
+    @property
+    def is_decode(self) -> bool:
+        return self.info.role in DECODE_ROLES
+
+    def describe(self) -> dict:
+        return {
+            "engine_id": self.engine_id,
+            "role": self.info.role,
+            "http_url": self.info.http_url,
+            "kv_address": f"{self.kv.host}:{self.kv.port}",
+            "model": self.info.model,
+            "num_running": self.info.num_running,
+            "num_waiting": self.info.num_waiting,
+            "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
+        }
+
+
+class InstanceRegistry:
+    """The proxy's side: who is alive, fed by the registry listener thread."""
+
+    def __init__(self, host: str, port: int, secret: bytes | None, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._instances: dict[str, Instance] = {}
+        self._lock = threading.Lock()
+        self._plane = ControlPlane(
+            registry_codec(secret),
+            PeerAddr("proxy", host, port),
+            {Register: self._on_register, Deregister: self._on_deregister},
+            name="registry",
+        )
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        return dict(self._plane.rejected)
+
+    def start(self) -> None:
+        self._plane.start()
+
+    def close(self) -> None:
+        self._plane.close()
+
+    def _on_register(self, sender: PeerAddr, info: Register) -> None:
+        with self._lock:
+            known = self._instances.get(sender.engine_id)
+            self._instances[sender.engine_id] = Instance(sender, info, time.monotonic())
+        if known is None or known.info.http_url != info.http_url:
+            logger.info("registered %s %s at %s", info.role, sender.engine_id, info.http_url)
+
+    def _on_deregister(self, sender: PeerAddr, _: Deregister) -> None:
+        self.evict(sender.engine_id, "deregistered")
+
+    def evict(self, engine_id: str, reason: str) -> None:
+        with self._lock:
+            instance = self._instances.pop(engine_id, None)
+        if instance is not None:
+            logger.warning("dropped %s (%s): %s", engine_id, instance.info.http_url, reason)
+
+    def live(self) -> list[Instance]:
+        """Instances heard from within ``timeout_s`` (the others are dropped, with a log line)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [i for i in self._instances.values() if now - i.last_seen > self.timeout_s]
+            for instance in stale:
+                del self._instances[instance.engine_id]
+            live = list(self._instances.values())
+        for instance in stale:
+            logger.warning(
+                "dropped %s (%s): no heartbeat for %.1fs",
+                instance.engine_id,
+                instance.info.http_url,
+                now - instance.last_seen,
+            )
+        return live
+
+
+class RegistrationClient:
+    """The instance's side: a thread that sends ``Register`` heartbeats to the proxy."""
+
+    def __init__(
+        self,
+        proxy_host: str,
+        proxy_port: int,
+        me: PeerAddr,
+        describe: Callable[[], Register],
+        secret: bytes | None,
+        interval_s: float = 2.0,
+    ) -> None:
+        self._endpoint = f"tcp://{proxy_host}:{proxy_port}"
+        self._me = me
+        self._describe = describe
+        self._codec = registry_codec(secret)
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="proxy-registration", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        socket = ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 500)
+        socket.setsockopt(zmq.SNDHWM, 10)
+        socket.connect(self._endpoint)
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = self._codec.encode(self._describe(), self._me)
+                    socket.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the proxy is not there (yet): the next heartbeat tries again
+                except Exception:
+                    logger.exception("registration heartbeat failed (continuing)")
+                self._stop.wait(self._interval_s)
+            socket.send_multipart(self._codec.encode(Deregister(), self._me), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        finally:
+            socket.close()
+            ctx.term()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,314 @@
+"""P2pConnector, scheduler half: plans loads (D) and holds (P); never touches a tensor or socket.
+
+kv_transfer_params, minted by the proxy (``transfer_id`` is the router's, never parsed from a
+request id)::
+
+    D: {"do_remote_prefill": true, "transfer_id", "remote_host", "remote_port",
+        "remote_engine_id"}                      <- P's KV address
+    P: {"do_remote_decode": true, "transfer_id", ["remote_engine_id"]}
+                                                 <- D's engine id (optional): only D may pull
+
+D. A request with ``do_remote_prefill`` and a local prefix hit of ``h`` tokens (block aligned)
+loads the prompt blocks it lacks, asynchronously::
+
+    prompt of n tokens, block_size 4, local hit h = 8
+    blocks:   [ 0 ][ 1 ][ 2 ][ 3 ][ 4 ]      n = 18 -> ceil(18/4) = 5 blocks
+              |-local-|---- loaded -----|    block indices [h/bs, ceil(n/bs)) = 2, 3, 4
+
+After the load the scheduler recomputes only token n-1 (for its logits). A request is loaded
+at most once: if it is preempted later it recomputes like any other request.
+
+P. A request with ``do_remote_decode`` runs normally (the proxy sends ``max_tokens=1``). In the
+step whose forward completes its prompt it is announced to the worker (``computing``), so PUT
+and PUT_ASYNC can send each layer as soon as the forward has written it. When it finishes with
+its prompt computed, ``request_finished`` holds its blocks (``holds``) until the worker reports
+the transfer ended in ``finished_sending``; a request that ends otherwise is ``released`` and
+D's WANT is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from pagedkv.kv_transfer.p2p.config import P2pConfig
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
+    from pagedkv.engine.scheduler_output import SchedulerOutput
+    from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+
+logger = logging.getLogger(__name__)
+
+_MAX_TRANSFER_ID_LEN = 256
+#: Finish reasons after which a producer's prompt KV is complete and worth sending.
+_SENDABLE = ("length", "stop")
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    """Both ends compare it: P and D must hold the same prompt for the same transfer."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
+
+
+def transfer_id_of(params: dict[str, Any]) -> str:
+    tid = params.get("transfer_id")
+    if not isinstance(tid, str) or not 0 < len(tid) <= _MAX_TRANSFER_ID_LEN:
+        raise ValueError("kv_transfer_params.transfer_id must be a non-empty string (<= 256)")
+    return tid
+
+
+def remote_peer(params: dict[str, Any]) -> PeerAddr:
+    """P's KV address from a consumer's kv_transfer_params; ValueError names a bad field."""
+    host, port, engine_id = (
+        params.get("remote_host"),
+        params.get("remote_port"),
+        params.get("remote_engine_id"),
+    )
+    if not isinstance(host, str) or not host:
+        raise ValueError("kv_transfer_params.remote_host must be a host name or address")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError("kv_transfer_params.remote_port must be a port number")
+    if not isinstance(engine_id, str) or not engine_id:
+        raise ValueError("kv_transfer_params.remote_engine_id must be a non-empty string")
+    return PeerAddr(engine_id, host, port)
+
+
+class RemoteLoad(NamedTuple):
+    """A consumer request's transfer; ``error`` (bad params) makes its load fail at once, so
+    ``kv_load_failure_policy`` decides (an error, or a local prefill)."""
+
+    transfer_id: str
+    remote: PeerAddr | None
+    error: str | None
+
+
+def parse_remote_load(params: dict[str, Any]) -> RemoteLoad:
+    try:
+        return RemoteLoad(transfer_id_of(params), remote_peer(params), None)
+    except ValueError as e:
+        tid = params.get("transfer_id")
+        return RemoteLoad(tid if isinstance(tid, str) else "", None, str(e))
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """D: load ``block_indices`` (per KV cache group) of ``transfer_id`` from ``remote``
+    (``error`` set: fail the load without contacting anyone)."""
+
+    request_id: str
+    transfer_id: str
+    remote: PeerAddr | None
+    error: str | None
+    num_prompt_tokens: int
+    prompt_hash: str
+    #: D's whole block table per group; the targets are ``block_ids[g][i]`` for i in indices.
+    block_ids: tuple[list[int], ...]
+    block_indices: list[list[int]]
+
+
+@dataclass(slots=True)
+class SendSpec:
+    """P: the prompt KV of ``transfer_id`` lives in ``block_ids`` (per group, block-table order)."""
+
+    request_id: str
+    transfer_id: str
+    num_prompt_tokens: int
+    prompt_hash: str
+    block_ids: tuple[list[int], ...]
+    #: Only this engine may pull the KV (None: any peer that knows the transfer id).
+    expected_peer: str | None
+
+
+@dataclass
+class P2pConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    #: D: request ids whose load must end now (aborted, or past the deadline).
+    cancels: list[str] = field(default_factory=list)
+    #: D: transfers whose request ended before its load started: P may free at once.
+    abandons: list[RemoteLoad] = field(default_factory=list)
+    #: P: requests whose prompt is complete after this step's forward pass.
+    computing: list[SendSpec] = field(default_factory=list)
+    #: P: finished requests whose blocks the connector holds until ``finished_sending``.
+    holds: list[SendSpec] = field(default_factory=list)
+    #: P: transfer ids whose request ended without KV to send (its blocks are not held).
+    releases: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Producing:
+    transfer_id: str
+    expected_peer: str | None
+    num_prompt_tokens: int
+    prompt_hash: str
+    block_ids: list[list[int]] = field(default_factory=list)
+    announced: bool = False
+
+
+class P2pConnector(KVConnectorBase):
+    def __init__(self, config, kv_cache_config, model_fingerprint: str) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint)
+        self.p2p_config = P2pConfig.from_kv_transfer_config(config)
+        block_sizes = set(kv_cache_config.block_sizes)
+        if len(block_sizes) != 1:
+            raise ValueError(
+                f"the P2P connector needs one block size for every KV cache group, got "
+                f"{sorted(block_sizes)}"
+            )
+        self.block_size = block_sizes.pop()
+        self._meta = P2pConnectorMetadata()
+        self._producing: dict[str, _Producing] = {}
+        #: D: requests whose load was issued (never load twice) -> their transfer.
+        self._loading: dict[str, RemoteLoad] = {}
+
+    # ------------------------------------------------------------------ D
+    def _remote_load(self, request: Request) -> RemoteLoad | None:
+        params = request.kv_transfer_params
+        if not self.config.is_kv_consumer or not params or not params.get("do_remote_prefill"):
+            return None
+        return parse_remote_load(params)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if request.request_id in self._loading or self._remote_load(request) is None:
+            return 0, False
+        return request.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._track_producer(request)
+        if num_external_tokens == 0:
+            return
+        load = self._remote_load(request)
+        assert load is not None
+        self._loading[request.request_id] = load
+        num_prompt = request.num_prompt_tokens
+        first_block = (num_prompt - num_external_tokens) // self.block_size
+        end_block = cdiv(num_prompt, self.block_size)
+        block_ids = blocks.get_block_ids()
+        self._meta.loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                transfer_id=load.transfer_id,
+                remote=load.remote,
+                error=load.error,
+                num_prompt_tokens=num_prompt,
+                prompt_hash=prompt_hash(request.prompt_token_ids),
+                block_ids=block_ids,
+                # The null block stands for window-skipped positions: never loaded into.
+                block_indices=[
+                    [i for i in range(first_block, min(end_block, len(ids))) if ids[i] != 0]
+                    for ids in block_ids
+                ],
+            )
+        )
+
+    def cancel_load(self, request: Request) -> None:
+        self._meta.cancels.append(request.request_id)
+
+    # ------------------------------------------------------------------ P
+    def _track_producer(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if (
+            not self.config.is_kv_producer
+            or not params
+            or not params.get("do_remote_decode")
+            or request.request_id in self._producing
+        ):
+            return
+        try:
+            transfer_id = transfer_id_of(params)
+        except ValueError as e:
+            logger.warning("request %s: %s; its KV will not be sent", request.request_id, e)
+            return
+        expected = params.get("remote_engine_id")
+        self._producing[request.request_id] = _Producing(
+            transfer_id,
+            expected if isinstance(expected, str) else None,
+            request.num_prompt_tokens,
+            prompt_hash(request.prompt_token_ids),
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            producing = self._producing.get(new.req_id)
+            if producing is not None:  # new, or resumed after preemption: a fresh block table
+                producing.block_ids = [list(ids) for ids in new.block_ids]
+                self._announce_if_complete(
+                    new.req_id, producing, new.num_computed_tokens + num_scheduled[new.req_id]
+                )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            producing = self._producing.get(cached.req_id)
+            if producing is not None:
+                for ids, new_ids in zip(producing.block_ids, cached.new_block_ids):
+                    ids.extend(new_ids)
+                self._announce_if_complete(
+                    cached.req_id,
+                    producing,
+                    cached.num_computed_tokens + num_scheduled[cached.req_id],
+                )
+        meta, self._meta = self._meta, P2pConnectorMetadata()
+        return meta
+
+    def _announce_if_complete(
+        self, req_id: str, producing: _Producing, num_computed_after_step: int
+    ) -> None:
+        if producing.announced or num_computed_after_step < producing.num_prompt_tokens:
+            return
+        producing.announced = True
+        self._meta.computing.append(
+            SendSpec(
+                req_id,
+                producing.transfer_id,
+                producing.num_prompt_tokens,
+                producing.prompt_hash,
+                tuple(list(ids) for ids in producing.block_ids),
+                producing.expected_peer,
+            )
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        request_id = request.request_id
+        if self._loading.pop(request_id, None) is None:
+            load = self._remote_load(request)
+            if load is not None and load.remote is not None:
+                self._meta.abandons.append(load)  # ended before its load started: P may free
+        producing = self._producing.pop(request_id, None)
+        params = request.kv_transfer_params or {}
+        if not (self.config.is_kv_producer and params.get("do_remote_decode")):
+            return False, None
+        try:
+            transfer_id = transfer_id_of(params)
+        except ValueError:
+            return False, None
+        complete = request.num_computed_tokens >= request.num_prompt_tokens
+        if producing is None or not complete or request.status.finish_reason not in _SENDABLE:
+            self._meta.releases.append(transfer_id)
+            return False, None
+        self._meta.holds.append(
+            SendSpec(
+                request_id,
+                transfer_id,
+                request.num_prompt_tokens,
+                producing.prompt_hash,
+                block_ids,
+                producing.expected_peer,
+            )
+        )
+        return True, {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "remote_host": self.config.kv_ip,
+            "remote_port": self.config.kv_port,
+            "remote_engine_id": self.config.engine_id,
+        }

@@ -1,0 +1,158 @@
+"""ControlPlane: one ZMQ ROUTER per instance, served by a listener thread, and one DEALER per peer.
+
+Every message is a one-way datagram: a reply, if any, goes out through the replier's own DEALER
+to the address in the envelope (``sender``). The ROUTER binds ``tcp://{kv_ip}:{kv_port}`` only,
+never ``*``. The listener survives any input: a message that fails ``Codec.decode`` is counted
+and logged; a handler that raises is logged; the loop goes on. Handlers run on the listener
+thread and must not block (no gloo, no long waits): they update state and hand work off.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[PeerAddr, msgspec.Struct], None]
+
+_POLL_MS = 100
+#: ZMQ itself drops (and disconnects) frames past this multiple of the codec's limit; smaller
+#: oversized frames reach the codec, which rejects them with a log line.
+_TRANSPORT_LIMIT_FACTOR = 4
+
+
+class _Dealer:
+    __slots__ = ("socket", "lock")
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+        self.lock = threading.Lock()
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        codec: Codec,
+        address: PeerAddr,
+        handlers: dict[type[msgspec.Struct], Handler],
+        name: str = "p2p",
+    ) -> None:
+        self.codec = codec
+        self.address = address
+        self.name = name
+        self._handlers = handlers
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(
+            zmq.MAXMSGSIZE, codec.max_message_bytes * _TRANSPORT_LIMIT_FACTOR + 4096
+        )
+        self._router.bind(address.endpoint)
+        self._dealers: dict[str, _Dealer] = {}
+        self._dealers_lock = threading.Lock()
+        self._stop = threading.Event()
+        #: Dropped messages by reason ("malformed", "oversized", "unauthenticated", ...).
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self._last_warning: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._serve, name=f"{name}-listener", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ------------------------------------------------------------------ outbound
+    def send(self, peer: PeerAddr, message: msgspec.Struct) -> bool:
+        """Queue ``message`` to ``peer`` (never blocks); False if it could not be queued."""
+        frames = self.codec.encode(message, self.address)
+        dealer = self._dealer(peer.endpoint)
+        if dealer is None:
+            return False
+        with dealer.lock:
+            try:
+                dealer.socket.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError as e:
+                logger.warning("%s: could not send %s to %s: %s", self.name, message, peer, e)
+                return False
+
+    def _dealer(self, endpoint: str) -> _Dealer | None:
+        with self._dealers_lock:
+            if self._stop.is_set():
+                return None
+            dealer = self._dealers.get(endpoint)
+            if dealer is None:
+                socket = self._ctx.socket(zmq.DEALER)
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.setsockopt(zmq.SNDHWM, 10_000)
+                socket.connect(endpoint)
+                dealer = self._dealers[endpoint] = _Dealer(socket)
+            return dealer
+
+    def forget(self, peer: PeerAddr) -> None:
+        """Close the DEALER to a peer that went away (a later send reconnects)."""
+        with self._dealers_lock:
+            dealer = self._dealers.pop(peer.endpoint, None)
+        if dealer is not None:
+            with dealer.lock:
+                dealer.socket.close(linger=0)
+
+    # ------------------------------------------------------------------ inbound
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(_POLL_MS):
+                    continue
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                self._dispatch(frames[1:])  # frames[0]: the DEALER's routing id
+            except zmq.Again:
+                continue
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # the listener must outlive any bug or input
+                logger.exception("%s: listener error (continuing)", self.name)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        try:
+            envelope, message = self.codec.decode(frames)
+        except ProtocolError as e:
+            self.rejected[e.reason] += 1
+            self._warn(e.reason, "%s: dropped a control message (%s)", self.name, e)
+            return
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.rejected["unexpected"] += 1
+            self._warn("unexpected", "%s: no handler for %s", self.name, envelope.kind)
+            return
+        try:
+            handler(envelope.sender, message)
+        except Exception:
+            logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
+
+    def _warn(self, key: str, fmt: str, *args: object) -> None:
+        """At most one log line per reason per second: a flood of bad input can't flood logs."""
+        now = time.monotonic()
+        if now - self._last_warning.get(key, -1.0) >= 1.0:
+            self._last_warning[key] = now
+            logger.warning(fmt + " [%d so far]", *args, self.rejected[key])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with self._dealers_lock:
+            dealers, self._dealers = list(self._dealers.values()), {}
+        for dealer in dealers:
+            with dealer.lock:
+                dealer.socket.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,202 @@
+"""The P2P control plane's wire format: typed msgpack messages, checked before they are used.
+
+A message is three ZMQ frames::
+
+    [envelope, payload, mac]
+     envelope = msgpack Envelope(version, compat_hash, kind, sender engine_id/host/port)
+     payload  = msgpack of the Struct that ``kind`` names
+     mac      = HMAC-SHA256(secret, len(envelope) || envelope || payload), or b"" without secret
+
+Decoding is defensive and ordered so that nothing from an unchecked message is used:
+frame count and sizes (before any parsing) -> MAC (constant-time compare) -> envelope ->
+version -> compatibility hash -> kind -> the typed payload. Any failure raises
+``ProtocolError`` naming the reason; the listener logs it and drops the message. No pickle:
+msgspec decodes into the declared types only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_ENVELOPE_BYTES = 1024
+MAC_BYTES = 32
+
+
+class PeerAddr(msgspec.Struct, frozen=True, array_like=True):
+    """Where an instance's control plane listens, and who it is."""
+
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    compat_hash: str
+    kind: str
+    sender: PeerAddr
+
+
+# ---------------------------------------------------------------------- pair group setup
+class Hello(msgspec.Struct, frozen=True):
+    """Create pair group ``group`` with me (rank 0 = the smaller engine id)."""
+
+    group: str
+
+
+class StoreSet(msgspec.Struct, frozen=True):
+    """One rendezvous key of pair group ``group`` (``PairStore.set`` on the other side)."""
+
+    group: str
+    key: str
+    value: bytes
+
+
+# ---------------------------------------------------------------------- transfers
+class Want(msgspec.Struct, frozen=True):
+    """D -> P: send me these blocks of ``transfer_id`` over pair group ``group``.
+
+    ``block_indices[g]`` are positions in the request's block table of KV cache group ``g``
+    (D lacks them; D never asks for a position it holds as the null block). ``segments[g]``
+    cut them into messages (lengths, summing to ``len(block_indices[g])``; see transfer.py)."""
+
+    transfer_id: str
+    group: str
+    num_prompt_tokens: int
+    prompt_hash: str
+    block_indices: list[list[int]]
+    segments: list[list[int]]
+
+
+class XferBegin(msgspec.Struct, frozen=True):
+    """P -> D: the data of ``transfer_id`` follows on ``group`` with gloo tag ``tag``: for each
+    layer in order, each segment of the WANT as a K message and a V message."""
+
+    transfer_id: str
+    group: str
+    tag: int
+
+
+class Done(msgspec.Struct, frozen=True):
+    """D -> P: the transfer ended on D (``ok``: every wanted block landed)."""
+
+    transfer_id: str
+    ok: bool
+    reason: str = ""
+
+
+class Nack(msgspec.Struct, frozen=True):
+    """P -> D: P will not send this transfer (unknown, expired, pool full, aborted...).
+    ``group_lost``: P has no pair group of that generation any more; D should start anew."""
+
+    transfer_id: str
+    reason: str
+    group_lost: bool = False
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    """D -> P: D no longer wants this transfer (aborted, or past its deadline)."""
+
+    transfer_id: str
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    """Liveness. From D it renews the leases of ``transfer_ids``; P answers with an empty one."""
+
+    transfer_ids: list[str] = []
+
+
+MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
+    "hello": Hello,
+    "store_set": StoreSet,
+    "want": Want,
+    "xfer_begin": XferBegin,
+    "done": Done,
+    "nack": Nack,
+    "cancel": Cancel,
+    "heartbeat": Heartbeat,
+}
+
+
+class ProtocolError(ValueError):
+    """A message that must be dropped; ``reason`` is a short label (for logs and counters)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class Codec:
+    """Encodes and checks messages of one namespace (``compat_hash``) and message set."""
+
+    def __init__(
+        self,
+        compat_hash: str,
+        secret: bytes | None,
+        max_message_bytes: int,
+        message_types: dict[str, type[msgspec.Struct]] = MESSAGE_TYPES,
+    ) -> None:
+        self.compat_hash = compat_hash
+        self.secret = secret
+        self.max_message_bytes = max_message_bytes
+        self._kinds = {cls: kind for kind, cls in message_types.items()}
+        self._decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in message_types.items()}
+        self._envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def _mac(self, envelope: bytes, payload: bytes) -> bytes:
+        assert self.secret is not None
+        mac = hmac.new(self.secret, len(envelope).to_bytes(4, "big"), hashlib.sha256)
+        mac.update(envelope)
+        mac.update(payload)
+        return mac.digest()
+
+    def _mac_ok(self, envelope: bytes, payload: bytes, mac: bytes) -> bool:
+        """Constant-time check (``hmac.compare_digest``)."""
+        return len(mac) == MAC_BYTES and hmac.compare_digest(mac, self._mac(envelope, payload))
+
+    def encode(self, message: msgspec.Struct, sender: PeerAddr) -> list[bytes]:
+        kind = self._kinds[type(message)]
+        envelope = self._encoder.encode(Envelope(PROTOCOL_VERSION, self.compat_hash, kind, sender))
+        payload = self._encoder.encode(message)
+        mac = self._mac(envelope, payload) if self.secret is not None else b""
+        return [envelope, payload, mac]
+
+    def decode(self, frames: list[bytes]) -> tuple[Envelope, msgspec.Struct]:
+        if len(frames) != 3:
+            raise ProtocolError("malformed", f"{len(frames)} frames, expected 3")
+        envelope_bytes, payload, mac = frames
+        if len(envelope_bytes) > MAX_ENVELOPE_BYTES or len(payload) > self.max_message_bytes:
+            raise ProtocolError("oversized", f"{len(envelope_bytes)} + {len(payload)} bytes")
+        if self.secret is not None and not self._mac_ok(envelope_bytes, payload, mac):
+            raise ProtocolError("unauthenticated", "missing or wrong HMAC")
+        try:
+            envelope = self._envelope_decoder.decode(envelope_bytes)
+        except msgspec.DecodeError as e:
+            raise ProtocolError("malformed", f"envelope: {e}") from None
+        if envelope.version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                "wrong_version", f"version {envelope.version}, expected {PROTOCOL_VERSION}"
+            )
+        if envelope.compat_hash != self.compat_hash:  # not a secret: plain compare
+            raise ProtocolError(
+                "incompatible",
+                f"compatibility hash {envelope.compat_hash[:12]!r} from "
+                f"{envelope.sender.engine_id!r} differs from ours",
+            )
+        decoder = self._decoders.get(envelope.kind)
+        if decoder is None:
+            raise ProtocolError("malformed", f"unknown kind {envelope.kind!r}")
+        try:
+            return envelope, decoder.decode(payload)
+        except msgspec.DecodeError as e:
+            raise ProtocolError("malformed", f"{envelope.kind} payload: {e}") from None

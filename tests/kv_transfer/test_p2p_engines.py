@@ -1,0 +1,216 @@
+"""The P2P connector between engines in separate processes (no HTTP): outputs, block
+accounting, failure modes and hostile control messages."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from tests.kv_transfer.engine_host import EngineHost, p2p_config
+from tests.tiny_models import random_prompt
+
+MAX_TOKENS = 8
+
+
+def disaggregate(p: EngineHost, d: EngineHost, prompts: list[list[int]], **d_params) -> list[dict]:
+    """Dispatch every prompt to P (max_tokens=1) and D at once, as the proxy does; D's outputs."""
+    p.wait_ready()  # a booting P would eat into D's load deadline
+    d.wait_ready()
+    ids = []
+    for i, prompt in enumerate(prompts):
+        tid = uuid.uuid4().hex
+        rid = f"r{i}-{tid[:6]}"
+        d.add(
+            rid,
+            prompt,
+            {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address, **d_params},
+            max_tokens=MAX_TOKENS,
+        )
+        p.add(
+            rid,
+            prompt,
+            {
+                "do_remote_decode": True,
+                "transfer_id": tid,
+                "remote_engine_id": d.kv_transfer_config["engine_id"],
+            },
+            max_tokens=1,
+        )
+        ids.append(rid)
+    outs = d.wait(ids, timeout_s=60)
+    return [outs[rid] for rid in ids]
+
+
+def pair(start_engine, arch="llama", p_extra=None, d_extra=None, p_hook=None, d_hook=None):
+    p = start_engine(
+        "P", arch, p_hook, kv_transfer_config=p2p_config("kv_producer", "P-0", **(p_extra or {}))
+    )
+    d = start_engine(
+        "D", arch, d_hook, kv_transfer_config=p2p_config("kv_consumer", "D-0", **(d_extra or {}))
+    )
+    return p, d
+
+
+@pytest.fixture(scope="module")
+def shared(start_module_engine) -> SimpleNamespace:
+    """A P (PUT_ASYNC, 1 s lease) and two Ds (fail / recompute policy, 3 s load deadline) that
+    the tests below share; each test looks at the counters' change, not their values. D-fail
+    stages and scatters what it receives; D-recompute receives straight into runs of its
+    blocks (``direct_min_bytes=0``: tiny blocks would never qualify otherwise)."""
+
+    def consumer(policy: str, **extra) -> EngineHost:
+        config = p2p_config(
+            "kv_consumer",
+            f"D-{policy}",
+            kv_load_failure_policy=policy,
+            kv_load_timeout=3.0,
+            **extra,
+        )
+        return start_module_engine(f"D-{policy}", kv_transfer_config=config)
+
+    p = start_module_engine(
+        "P-shared", kv_transfer_config=p2p_config("kv_producer", "P-shared", lease_s=1.0)
+    )
+    d = {"fail": consumer("fail"), "recompute": consumer("recompute", direct_min_bytes=0)}
+    return SimpleNamespace(p=p, d=d)
+
+
+def changes(host: EngineHost, before: dict) -> dict[str, int]:
+    """How the connector's counters moved since ``before`` (once transfers settled)."""
+    after = host.wait_settled()["connector"]
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_a_hybrid_model_disaggregated_equals_a_single_instance_and_frees_every_block(
+    start_engine, reference_outputs
+) -> None:
+    """Full-attention and sliding-window groups (the null block is never sent); the three
+    send types with a plain model are covered over HTTP (test_pd_proxy)."""
+    p, d = pair(start_engine, "qwen2_hybrid", d_extra={"direct_min_bytes": 0})
+    prompts = [random_prompt(n, seed=n) for n in (5, 16, 23, 47, 90)]
+    outs = disaggregate(p, d, prompts)
+    assert [o["token_ids"] for o in outs] == reference_outputs("qwen2_hybrid", prompts, MAX_TOKENS)
+    d_stats, p_stats = d.wait_settled(), p.wait_settled()
+    # D computed one prompt token per request (the last, for its logits); the rest arrived.
+    assert d_stats["num_prompt_tokens"] == len(prompts)
+    assert d_stats["connector"]["num_loads_delivered"] == len(prompts)
+    assert p_stats["connector"]["num_sends_delivered"] == len(prompts)
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"], ids=["staged", "direct"])
+def test_a_partial_local_prefix_hit_moves_only_the_missing_blocks(
+    shared, reference_outputs, policy
+) -> None:
+    p, d = shared.p, shared.d[policy]
+    shared_prefix = random_prompt(40, seed=7 + (policy == "recompute"))
+    # D serves a request on its own first: the first 2 full blocks (32 tokens) get cached.
+    d.add("warm", shared_prefix, max_tokens=1)
+    d.wait(["warm"])
+    before = d.wait_settled()["connector"]
+    prompt = shared_prefix[:32] + random_prompt(30, seed=8)  # 62 tokens = 4 blocks, 2 on D
+    (out,) = disaggregate(p, d, [prompt])
+    assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+    # 2 blocks x 2 layers x (K and V) x 16 tokens x 2 kv heads x 16 head size x 4 bytes
+    assert changes(d, before) == {
+        "num_loads_delivered": 1,
+        "num_blocks_received": 2,
+        "num_bytes_received": 2 * 2 * 2 * 16 * 2 * 16 * 4,
+    }
+    p.wait_settled()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_p_dying_mid_transfer_ends_the_load_by_policy(
+    start_engine, shared, reference_outputs, policy
+) -> None:
+    d = shared.d[policy]
+    p = start_engine(
+        "P-dies",
+        hook="die_mid_transfer",
+        kv_transfer_config=p2p_config("kv_producer", f"P-dies-{policy}", send_type="PUT"),
+    )
+    before = d.wait_settled()["connector"]
+    prompt = random_prompt(100, seed=9)
+    t0 = time.monotonic()
+    (out,) = disaggregate(p, d, [prompt])
+    assert time.monotonic() - t0 < 10  # the broken connection is seen; the deadline is 3 s
+    p.process.join(timeout=10)
+    assert not p.process.is_alive()
+    if policy == "fail":
+        assert out["finish_reason"] == "error" and "kv_load_failure_policy=fail" in out["error"]
+    else:
+        assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+    assert changes(d, before) == {"num_loads_failed": 1}
+
+
+def test_d_dying_after_its_want_lets_p_free_the_blocks(start_engine, shared) -> None:
+    p = shared.p
+    d = start_engine(
+        "D-dies", hook="die_after_want", kv_transfer_config=p2p_config("kv_consumer", "D-dies")
+    )
+    before = p.wait_settled()["connector"]
+    prompt = random_prompt(50, seed=10)
+    tid = uuid.uuid4().hex
+    d.add("r", prompt, {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address})
+    d.process.join(timeout=15)
+    assert not d.process.is_alive()
+    p.add("r-dies", prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    p.wait(["r-dies"])
+    moved = changes(p, before)  # settled: P holds no block any more
+    assert moved.get("num_sends_failed", 0) + moved.get("num_sends_expired", 0) == 1
+
+
+def test_a_lease_nobody_renews_expires_and_a_late_want_is_refused(shared) -> None:
+    p, d = shared.p, shared.d["fail"]
+    p_before, d_before = p.wait_settled()["connector"], d.wait_settled()["connector"]
+    prompt = random_prompt(50, seed=11)
+    tid = uuid.uuid4().hex
+    t0 = time.monotonic()
+    p.add("r-lease", prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    p.wait(["r-lease"])
+    assert changes(p, p_before) == {"num_sends_expired": 1}  # settled: blocks freed
+    assert time.monotonic() - t0 >= 1.0  # held for the lease, for a D that never came
+    # D turns up late: P NACKs, D's load fails at once and the policy applies.
+    d.add("late", prompt, {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address})
+    assert d.wait(["late"])["late"]["finish_reason"] == "error"
+    assert changes(d, d_before) == {"num_loads_refused": 1}
+
+
+def test_d_deadline_cancels_and_p_frees_when_its_request_comes_later(shared) -> None:
+    p, d = shared.p, shared.d["fail"]
+    d_before = d.wait_settled()["connector"]
+    prompt = random_prompt(40, seed=12)
+    tid = uuid.uuid4().hex
+    t0 = time.monotonic()
+    d.add("r-deadline", prompt, {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address})
+    out = d.wait(["r-deadline"], timeout_s=10)["r-deadline"]
+    assert out["finish_reason"] == "error" and 3.0 <= time.monotonic() - t0 < 8
+    assert changes(d, d_before) == {"num_loads_failed": 1}
+    # P only now gets its request: D's CANCEL already told it nobody wants this KV.
+    p.add("r-deadline", prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    p.wait(["r-deadline"])
+    p.wait_settled(timeout_s=5)
+    assert f"transfer {tid} already ended (failed: cancelled by D" in p.log()
+
+
+def test_a_full_get_pool_nacks_and_each_policy_applies(
+    start_engine, shared, reference_outputs
+) -> None:
+    p = start_engine(
+        "P-get",
+        kv_transfer_config=p2p_config("kv_producer", "P-get", send_type="GET", kv_buffer_size=1000),
+    )
+    prompt = random_prompt(40, seed=13)
+    for policy, d in shared.d.items():
+        before = d.wait_settled()["connector"]
+        (out,) = disaggregate(p, d, [prompt])
+        if policy == "fail":
+            assert out["finish_reason"] == "error"
+        else:
+            assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+        assert changes(d, before) == {"num_loads_refused": 1}
+    assert p.wait_settled()["connector"]["num_sends_refused"] == 2
+    assert "send pool full" in p.log()

@@ -1,0 +1,274 @@
+"""The P2P connector's pieces in one process: wire format, control plane, leases, send pool,
+rendezvous store, pair groups and the chunked data path."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+import torch.distributed as dist
+import zmq
+
+from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
+from pagedkv.kv_transfer.p2p.lease import LeaseTable
+from pagedkv.kv_transfer.p2p.pair_group import PairGroups
+from pagedkv.kv_transfer.p2p.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    Envelope,
+    Heartbeat,
+    Hello,
+    PeerAddr,
+    ProtocolError,
+    StoreSet,
+    Want,
+)
+from pagedkv.kv_transfer.p2p.send_pool import SendPool
+from pagedkv.kv_transfer.p2p.store import PairStore
+from pagedkv.kv_transfer.p2p.transfer import (
+    BlockSender,
+    LayerBlocks,
+    plan_segments,
+    receive_layers,
+    runs,
+)
+from tests.kv_transfer.engine_host import free_port
+
+SECRET = b"unit-secret"
+ME = PeerAddr("engine-a", "127.0.0.1", 1)
+WANT = Want("t1", "g", 40, "h", [[1, 2]], [[2]])
+
+
+def codec(secret: bytes | None = SECRET, compat: str = "fp", limit: int = 4096) -> Codec:
+    return Codec(compat, secret, limit)
+
+
+# ---------------------------------------------------------------------------- wire format
+def test_a_message_round_trips_with_its_sender() -> None:
+    envelope, message = codec().decode(codec().encode(WANT, ME))
+    assert message == WANT and envelope.sender == ME and envelope.kind == "want"
+
+
+def _reason(frames: list[bytes], receiver: Codec | None = None) -> str:
+    with pytest.raises(ProtocolError) as e:
+        (receiver or codec()).decode(frames)
+    return e.value.reason
+
+
+def test_every_kind_of_bad_message_is_rejected_with_its_reason() -> None:
+    good = codec().encode(WANT, ME)
+    encoder = msgspec.msgpack.Encoder()
+    assert _reason(good[:2]) == "malformed"
+    assert _reason([b"\xc1garbage", good[1], good[2]], codec(None)) == "malformed"
+    assert _reason(codec(limit=1 << 20).encode(Heartbeat(["x" * 5000]), ME)) == "oversized"
+    assert _reason([good[0], good[1], b""]) == "unauthenticated"
+    assert _reason(codec(b"other secret").encode(WANT, ME)) == "unauthenticated"
+    assert _reason(codec(compat="another model").encode(WANT, ME)) == "incompatible"
+    old = encoder.encode(Envelope(PROTOCOL_VERSION + 1, "fp", "want", ME))
+    assert _reason([old, good[1], b""], codec(None)) == "wrong_version"
+    unknown = encoder.encode(Envelope(PROTOCOL_VERSION, "fp", "pickle", ME))
+    assert _reason([unknown, good[1], b""], codec(None)) == "malformed"
+    # A payload of the wrong shape for its kind: typed decoding refuses it.
+    hello = codec(None).encode(Hello("g"), ME)
+    assert _reason([good[0], hello[1], b""], codec(None)) == "malformed"
+
+
+def test_the_mac_covers_envelope_and_payload() -> None:
+    env, payload, mac = codec().encode(WANT, ME)
+    other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]], [[2]]), ME)
+    assert _reason([env, other[1], mac]) == "unauthenticated"
+
+
+def test_the_listener_survives_bad_input_and_keeps_serving() -> None:
+    received: list[msgspec.Struct] = []
+    address = PeerAddr("listener", "127.0.0.1", free_port())
+    plane = ControlPlane(codec(), address, {Want: lambda _, m: received.append(m)})
+    plane.start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address.endpoint)
+    try:
+        dealer.send_multipart([b"one frame"])
+        dealer.send_multipart([b"\x00" * 10, b"\x00", b"\x00"])  # checked: MAC first
+        dealer.send_multipart(codec(None).encode(WANT, ME))  # no MAC
+        dealer.send_multipart(codec().encode(Hello("g"), ME))  # valid, but no handler
+        dealer.send_multipart(codec().encode(WANT, ME))
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert received == [WANT]
+        assert plane.rejected == {"malformed": 1, "unauthenticated": 2, "unexpected": 1}
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        plane.close()
+
+
+# ---------------------------------------------------------------------------- leases, pool
+def test_expiry_scans_every_lease_not_insertion_order() -> None:
+    leases = LeaseTable(lease_s=10)
+    leases.grant("early", now=0)
+    leases.grant("late", now=1)
+    leases.renew("early", now=5)  # now due at 15; "late" is due at 11
+    assert leases.expired(now=12) == ["late"]
+    assert not leases.renew("unknown", now=0)
+    leases.release("late")
+    assert leases.expired(now=16) == ["early"]
+
+
+def test_a_full_send_pool_refuses_and_never_evicts() -> None:
+    pool = SendPool(capacity_bytes=100)
+    assert pool.reserve("a", 60)
+    assert not pool.reserve("b", 60)
+    assert pool.get("a") is not None and pool.used_bytes == 60
+    pool.pop("a")
+    assert pool.used_bytes == 0 and pool.reserve("b", 60)
+
+
+# ---------------------------------------------------------------------------- rendezvous
+def test_the_pair_store_waits_with_a_timeout_and_can_be_abandoned() -> None:
+    published = []
+    store = PairStore(lambda k, v: published.append((k, v)), timeout_s=0.2)
+    store.set("mine", b"1")
+    assert published == [("mine", b"1")] and store.get("mine") == b"1"
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        store.get("theirs")
+    assert time.monotonic() - t0 < 2
+    threading.Timer(0.05, store.deliver, args=("theirs", b"2")).start()
+    store.wait(["theirs"])
+    assert store.check(["mine", "theirs"])
+    store.abort("shutdown")
+    with pytest.raises(RuntimeError, match="abandoned"):
+        store.get("never")
+
+
+def _two_instances():
+    """Two control planes that route Hello/StoreSet to their PairGroups."""
+    groups: dict[str, PairGroups] = {}
+    planes = []
+    for name in ("engine-a", "engine-b"):
+        address = PeerAddr(name, "127.0.0.1", free_port())
+        handlers = {
+            Hello: lambda peer, m, n=name: groups[n].on_hello(peer, m),
+            StoreSet: lambda peer, m, n=name: groups[n].on_store_set(peer, m),
+        }
+        plane = ControlPlane(codec(), address, handlers, name=name)
+        groups[name] = PairGroups(address, plane.send, setup_timeout_s=10, op_timeout_s=10)
+        plane.start()
+        planes.append(plane)
+    return planes, groups
+
+
+class Guard:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_pair_group_moves_blocks_in_planned_messages(direct: bool) -> None:
+    planes, groups = _two_instances()
+    a, b = groups["engine-a"], groups["engine-b"]
+    try:
+        group_a = a.ensure(planes[1].address)
+        pg_a = group_a.wait(10)
+        group_b = b.get("engine-a")
+        assert group_b is not None and group_b.name == group_a.name
+        pg_b = group_b.wait(10)
+        assert (group_a.rank, group_b.rank) == (0, 1)  # rank 0: the smaller engine id
+        assert not dist.is_initialized()  # no global world
+
+        torch.manual_seed(0)
+        src = [torch.randn(2, 16, 4, 2, 8).half() for _ in range(3)]  # 3 layers, 16 blocks
+        dst = [torch.zeros_like(c) for c in src]
+        src_ids = [3, 7, 1, 9, 4, 5, 6]  # P: scattered, then a run (5, 6)
+        dst_ids = [2, 3, 4, 10, 11, 12, 13] if direct else [13, 2, 8, 5, 11, 1, 14]
+        segments = plan_segments(dst_ids, chunk_blocks=2, direct=direct)
+        assert segments == ([2, 1, 2, 2] if direct else [2, 2, 2, 1])
+        src_t, dst_t = torch.tensor(src_ids), torch.tensor(dst_ids)
+        result = {}
+        receiver = threading.Thread(
+            target=lambda: result.update(
+                n=receive_layers(
+                    pg_b, 0, 5, [LayerBlocks(c, dst_t, segments) for c in dst], direct, 2048, 10,
+                    Guard(), deadline=time.monotonic() + 10,
+                )
+            )
+        )  # fmt: skip
+        receiver.start()
+        sender = BlockSender(pg_a, 1, 5, in_flight_bytes=2048, timeout_s=10)
+        for cache in src:
+            sender.send_layer(LayerBlocks(cache, src_t, segments))
+        sender.finish()
+        receiver.join(10)
+        for s, d in zip(src, dst):
+            assert torch.equal(d[:, dst_t], s[:, src_t])
+            untouched = [i for i in range(16) if i not in dst_ids]
+            assert not d[:, untouched].any()
+        assert result["n"] == sender.num_bytes == 3 * 7 * src[0][:, 0].numel() * 2
+    finally:
+        for g in groups.values():
+            g.close()
+        for plane in planes:
+            plane.close()
+
+
+def test_runs_and_segments() -> None:
+    assert runs([4, 5, 6, 9, 2, 3]) == [3, 1, 2] and runs([]) == []
+    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=2, direct=True) == [2, 1, 1, 2]
+    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=4, direct=False) == [4, 2]
+    layer = LayerBlocks(torch.arange(2 * 8.0).view(2, 8, 1, 1, 1), torch.tensor([2, 3, 6]), [2, 1])
+    assert list(layer.messages()) == [(0, 0, 2), (1, 0, 2), (0, 2, 3), (1, 2, 3)]
+    assert layer.run_start(0, 2) == 2 and layer.run_start(1, 3) is None
+    view = layer.pack(1, 0, 2, copy=False)  # a run: the cache itself, no copy
+    assert view.data_ptr() == layer.cache[1, 2].data_ptr() and view.flatten().tolist() == [10, 11]
+    assert layer.pack(0, 1, 3, copy=False).flatten().tolist() == [3.0, 6.0]
+
+
+def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() -> None:
+    planes, groups = _two_instances()
+    try:
+        first = groups["engine-a"].ensure(planes[1].address)
+        second = groups["engine-b"].ensure(planes[0].address)
+        winner = min(first.name, second.name)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ga, gb = groups["engine-a"].get("engine-b"), groups["engine-b"].get("engine-a")
+            if ga and gb and ga.name == gb.name == winner and ga.pg and gb.pg:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("the two sides did not agree on one pair group")
+    finally:
+        for g in groups.values():
+            g.close()
+        for plane in planes:
+            plane.close()
+
+
+# ---------------------------------------------------------------------------- config
+def test_extra_config_is_validated_naming_the_key() -> None:
+    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+    from pagedkv.kv_transfer.p2p.config import P2pConfig
+
+    def config(**extra) -> P2pConfig:
+        return P2pConfig.from_kv_transfer_config(
+            KVTransferConfig("P2pConnector", "kv_producer", kv_connector_extra_config=extra)
+        )
+
+    assert config(send_type="GET", proxy_ip="127.0.0.1").send_type == "GET"
+    for bad, match in (
+        ({"sendtype": "GET"}, "unknown kv_connector_extra_config key"),
+        ({"send_type": "PUSH"}, "send_type"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"chunk_bytes": 0.5}, "chunk_bytes"),
+        ({"shared_secret": ""}, "shared_secret"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            config(**bad)
+    with pytest.raises(ValueError, match="kv_port"):
+        P2pConfig.from_kv_transfer_config(KVTransferConfig("P2pConnector", "kv_both", kv_port=0))

@@ -1,0 +1,37 @@
+"""1P1D behind ``pagedkv proxy`` for each send type: greedy outputs equal a single instance,
+D computes only the last prompt token, and both instances end with every block free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from tests.kv_transfer.conftest import MAX_TOKENS, Cluster, complete, wait_all_blocks_free
+from tests.tiny_models import random_prompt
+
+
+@pytest.fixture(scope="module", params=["PUT", "PUT_ASYNC", "GET"])
+def one_pair(request, tiny_model, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    cluster = Cluster(tiny_model, tmp_path_factory.mktemp(f"1p1d-{request.param}"))
+    try:
+        proxy = cluster.proxy()
+        p, _ = cluster.serve("P", "kv_producer", proxy, send_type=request.param)
+        d, _ = cluster.serve("D", "kv_consumer", proxy)
+        cluster.ready(p, d)
+        proxy.wait_for_instances(1, 1)
+        yield SimpleNamespace(proxy=proxy, p=p, d=d)
+    finally:
+        cluster.close()
+
+
+def test_1p1d_greedy_equals_a_single_instance(one_pair, reference_text) -> None:
+    prompts = [random_prompt(n, seed=400 + n) for n in (7, 16, 45, 100)]
+    client = one_pair.proxy.client()
+    texts = [complete(client, p, stream=i % 2 == 1) for i, p in enumerate(prompts)]
+    assert texts == reference_text(prompts, MAX_TOKENS)
+    assert one_pair.d.metrics()["pagedkv:prompt_tokens_total"] == len(prompts)
+    wait_all_blocks_free({"P": one_pair.p, "D": one_pair.d})
+    delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
+    assert one_pair.p.metrics()[delivered] == len(prompts)

@@ -1,0 +1,171 @@
+"""The proxy's failure paths against fake P and D servers (uvicorn in threads, real sockets):
+retries before the first byte, 4xx passed through, an error event after it, no hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedkv.entrypoints.proxy.app import ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register, RegistrationClient
+from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from tests.kv_transfer.engine_host import free_port
+
+
+def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:
+    """A P or D that answers ``behaviour``: ok | error500 | error400 | hang | die_mid_stream."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(body)
+        if behaviour == "error500":
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+        if behaviour == "error400":
+            return JSONResponse({"error": {"message": "prompt too long"}}, status_code=400)
+        if behaviour == "hang":
+            await asyncio.sleep(30)
+        if "do_remote_prefill" in body.get("kv_transfer_params", {}):
+            await asyncio.sleep(0.3)  # a real D answers once P's KV has arrived
+        text = {"choices": [{"text": " w1", "finish_reason": None}]}
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"text": " w1 w2", "finish_reason": "length"}]})
+
+        async def events():
+            yield f"data: {json.dumps(text)}\n\n"
+            if behaviour == "die_mid_stream":
+                raise RuntimeError("the decode instance crashed")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+class Upstreams:
+    """Fake instances, each a uvicorn server on a thread, registered with the registry."""
+
+    def __init__(self, registry_port: int) -> None:
+        self.registry_port = registry_port
+        self.servers: list[uvicorn.Server] = []
+        self.clients: list[RegistrationClient] = []
+        self.seen: dict[str, list[dict]] = {}
+
+    def add(self, name: str, role: str, behaviour: str) -> None:
+        port = free_port()
+        self.seen[name] = []
+        config = uvicorn.Config(
+            fake_instance(behaviour, self.seen[name]), host="127.0.0.1", port=port,
+            log_level="warning",
+        )  # fmt: skip
+        server = uvicorn.Server(config)
+        threading.Thread(target=server.run, daemon=True).start()
+        self.servers.append(server)
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        info = Register(role, f"http://127.0.0.1:{port}", "m", "fp")
+        client = RegistrationClient(
+            "127.0.0.1", self.registry_port, PeerAddr(name, "127.0.0.1", 1), lambda: info, None, 0.2
+        )
+        client.start()
+        self.clients.append(client)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        for server in self.servers:
+            server.should_exit = True
+
+
+@pytest.fixture
+def proxy_with() -> Iterator:
+    """``proxy_with({name: (role, behaviour)})`` -> (TestClient of the proxy, requests seen)."""
+    made = []
+
+    def make(instances: dict[str, tuple[str, str]]):
+        registry_port = free_port()
+        registry = InstanceRegistry("127.0.0.1", registry_port, None, timeout_s=5)
+        config = ProxyConfig(request_timeout_s=1.0, connect_timeout_s=1.0, max_attempts=3)
+        app = build_proxy_app(registry, Router(registry), config)
+        from fastapi.testclient import TestClient
+
+        client = TestClient(app)
+        client.__enter__()
+        upstreams = Upstreams(registry_port)
+        made.append((client, upstreams))
+        for name, (role, behaviour) in instances.items():
+            upstreams.add(name, role, behaviour)
+        deadline = time.monotonic() + 10
+        while len(registry.live()) < len(instances):
+            assert time.monotonic() < deadline, "fake instances did not register"
+            time.sleep(0.02)
+        return client, upstreams.seen
+
+    yield make
+    for client, upstreams in made:
+        upstreams.close()
+        client.__exit__(None, None, None)
+
+
+BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
+
+
+def test_a_failing_prefill_is_retried_on_another_pair_with_a_fresh_transfer(proxy_with):
+    client, seen = proxy_with(
+        {"p-bad": ("kv_producer", "error500"), "p-good": ("kv_producer", "ok"),
+         "d": ("kv_consumer", "ok")}
+    )  # fmt: skip
+    for _ in range(2):  # round robin (a retry takes a turn): both start on the bad P
+        r = client.post("/v1/completions", json=BODY)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w1 w2"
+    assert (len(seen["p-bad"]), len(seen["p-good"]), len(seen["d"])) == (2, 2, 4)
+    # P got max_tokens=1 and D's KV address; D got the original request and P's.
+    for p_body in seen["p-good"] + seen["p-bad"]:
+        assert p_body["max_tokens"] == 1 and p_body["kv_transfer_params"]["do_remote_decode"]
+        assert p_body["kv_transfer_params"]["remote_engine_id"] == "d"
+    d_params = [b["kv_transfer_params"] for b in seen["d"]]
+    assert all(b["max_tokens"] == 4 and "stream" not in b for b in seen["d"])
+    assert sorted(p["remote_engine_id"] for p in d_params) == ["p-bad"] * 2 + ["p-good"] * 2
+    # Each attempt had its own transfer id, shared by its P and D.
+    assert len({p["transfer_id"] for p in d_params}) == 4
+    p_ids = {b["kv_transfer_params"]["transfer_id"] for b in seen["p-good"] + seen["p-bad"]}
+    assert p_ids == {p["transfer_id"] for p in d_params}
+
+
+def test_a_hanging_decode_times_out_and_a_4xx_is_the_clients(proxy_with):
+    client, seen = proxy_with(
+        {"p": ("kv_producer", "ok"), "d-hang": ("kv_consumer", "hang"),
+         "d-400": ("kv_consumer", "error400")}
+    )  # fmt: skip
+    t0 = time.monotonic()
+    statuses = {client.post("/v1/completions", json=BODY).status_code for _ in range(2)}
+    assert statuses == {400}  # the hanging D timed out (1 s) and the retry met the 4xx
+    assert time.monotonic() - t0 < 8
+
+
+def test_no_hang_when_every_instance_fails_503(proxy_with):
+    client, _ = proxy_with({"p": ("kv_producer", "error500"), "d": ("kv_consumer", "ok")})
+    r = client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and "every attempt failed" in r.json()["error"]["message"]
+
+
+def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(proxy_with):
+    client, _ = proxy_with({"p": ("kv_producer", "ok"), "d": ("kv_consumer", "die_mid_stream")})
+    with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0][6:])["choices"][0]["text"] == " w1"
+    assert "failed mid-stream" in json.loads(events[1][6:])["error"]["message"]
+    assert events[-1] == "data: [DONE]"

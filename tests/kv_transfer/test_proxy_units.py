@@ -1,0 +1,157 @@
+"""The proxy's pieces in one process: registration and heartbeat expiry, routing, and the
+answers it gives without any upstream (503, 401, 400)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+from fastapi.testclient import TestClient
+
+from pagedkv.entrypoints.proxy.app import ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.registry import (
+    Instance,
+    InstanceRegistry,
+    Register,
+    RegistrationClient,
+    registry_codec,
+)
+from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from tests.kv_transfer.engine_host import free_port
+
+SECRET = b"registry-secret"
+
+
+def info(role: str, fingerprint: str = "fp", running: int = 0) -> Register:
+    return Register(role, "http://127.0.0.1:1", "m", fingerprint, num_running=running)
+
+
+class FakeRegistry:
+    def __init__(self, instances: list[Instance]) -> None:
+        self.instances = instances
+
+    def live(self) -> list[Instance]:
+        return list(self.instances)
+
+
+def instance(name: str, role: str, **kw) -> Instance:
+    return Instance(PeerAddr(name, "127.0.0.1", 1), info(role, **kw), time.monotonic())
+
+
+def wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------------------- routing
+def test_round_robin_cycles_through_each_role() -> None:
+    registry = FakeRegistry(
+        [instance(n, "kv_producer") for n in ("p0", "p1", "p2")]
+        + [instance(n, "kv_consumer") for n in ("d0", "d1")]
+    )
+    router = Router(registry, "round_robin")  # type: ignore[arg-type]
+    pairs = [router.pick_pair() for _ in range(6)]
+    assert [(p.engine_id, d.engine_id) for p, d in pairs] == [
+        ("p0", "d0"), ("p1", "d1"), ("p2", "d0"), ("p0", "d1"), ("p1", "d0"), ("p2", "d1"),
+    ]  # fmt: skip
+
+
+def test_least_loaded_prefers_fewest_in_flight_then_reported_load() -> None:
+    registry = FakeRegistry(
+        [instance("p0", "kv_producer", running=5), instance("p1", "kv_producer")]
+        + [instance("d0", "kv_consumer"), instance("d1", "kv_consumer")]
+    )
+    router = Router(registry, "least_loaded")  # type: ignore[arg-type]
+    p, d = router.pick_pair()
+    assert (p.engine_id, d.engine_id) == ("p1", "d0")
+    router.acquire(d)
+    router.acquire(p)
+    p, d = router.pick_pair()
+    assert (p.engine_id, d.engine_id) == ("p0", "d1")  # p1 now has one in flight
+    router.release(p)
+
+
+def test_only_compatible_instances_pair_and_failed_ones_are_skipped() -> None:
+    registry = FakeRegistry(
+        [instance("p0", "kv_producer", fingerprint="a"), instance("d0", "kv_consumer")]
+        + [instance("p1", "kv_producer"), instance("both", "kv_both", fingerprint="b")]
+    )
+    router = Router(registry, "round_robin")  # type: ignore[arg-type]
+    for _ in range(4):
+        p, d = router.pick_pair()
+        assert p.info.fingerprint == d.info.fingerprint and p.engine_id != d.engine_id
+    assert router.pick_pair(exclude={"p1"}) is None  # d0 needs fingerprint "fp": only p1
+    with pytest.raises(ValueError, match="routing"):
+        Router(registry, "random")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- registry
+def test_instances_register_and_drop_out_when_heartbeats_stop() -> None:
+    port = free_port()
+    registry = InstanceRegistry("127.0.0.1", port, SECRET, timeout_s=0.6)
+    registry.start()
+    me = PeerAddr("d0", "127.0.0.1", 4242)
+    client = RegistrationClient(
+        "127.0.0.1", port, me, lambda: info("kv_consumer"), SECRET, interval_s=0.1
+    )
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    try:
+        client.start()
+        wait_until(lambda: [i.kv for i in registry.live()] == [me])
+        # Without the secret nobody can register (and then receive prompts).
+        rogue.connect(f"tcp://127.0.0.1:{port}")
+        unsigned = registry_codec(None).encode(info("kv_consumer"), PeerAddr("x", "h", 1))
+        rogue.send_multipart(unsigned)
+        wait_until(lambda: registry.rejected.get("unauthenticated") == 1)
+        assert [i.engine_id for i in registry.live()] == ["d0"]
+        # Heartbeats stop (a crash: no goodbye): gone after the timeout.
+        client._stop.set()
+        client._thread.join(5)
+        t0 = time.monotonic()
+        wait_until(lambda: not registry.live(), timeout_s=5)
+        assert time.monotonic() - t0 < 2
+        # A clean shutdown says goodbye: gone at once.
+        polite = RegistrationClient(
+            "127.0.0.1", port, me, lambda: info("kv_consumer"), SECRET, interval_s=10
+        )
+        polite.start()
+        wait_until(lambda: bool(registry.live()))
+        polite.close()
+        wait_until(lambda: not registry.live(), timeout_s=0.5)
+    finally:
+        rogue.close(linger=0)
+        ctx.term()
+        client.close()
+        registry.close()
+
+
+# ---------------------------------------------------------------------------- the app alone
+@pytest.fixture
+def lone_proxy():
+    registry = InstanceRegistry("127.0.0.1", free_port(), None, timeout_s=5)
+    app = build_proxy_app(registry, Router(registry), ProxyConfig(api_key="k"))
+    with TestClient(app) as client:
+        yield client
+
+
+def test_no_instance_is_a_clear_503(lone_proxy) -> None:
+    auth = {"Authorization": "Bearer k"}
+    r = lone_proxy.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2}, headers=auth)
+    assert r.status_code == 503
+    assert "no prefill/decode instance pair is available" in r.json()["error"]["message"]
+    assert lone_proxy.get("/v1/models", headers=auth).status_code == 503
+    assert lone_proxy.get("/health").json() == {"prefill": 0, "decode": 0}
+
+
+def test_the_proxy_checks_its_api_key_and_the_body(lone_proxy) -> None:
+    r = lone_proxy.post("/v1/completions", json={"prompt": "w1"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    auth = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    r = lone_proxy.post("/v1/chat/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert lone_proxy.post("/v1/completions", json=[1], headers=auth).status_code == 400
