@@ -32,6 +32,8 @@ from pagedkv.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
+#: Longest an idle step waits for a KV transfer to end (new requests wait at most this long).
+IDLE_WAIT_S = 0.005
 
 
 def load_tokenizer(path):
@@ -251,8 +253,17 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if scheduler_output.is_empty and not core_outputs:
-            time.sleep(0.001)  # only KV transfers are pending: poll them without spinning
+            self._wait_for_transfers()
         return outputs
+
+    def _wait_for_transfers(self) -> None:
+        """Nothing to compute: only KV transfers are pending. Wait for one to end rather than
+        spin (on a shared machine a spinning decode instance slows its prefill peer)."""
+        connector = self.model_runner.kv_connector
+        if connector is not None:
+            connector.wait_for_progress(IDLE_WAIT_S)
+        else:
+            time.sleep(0.001)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

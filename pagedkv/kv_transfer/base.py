@@ -13,6 +13,7 @@ every send a producer holds blocks for ends exactly once, reported in ``finished
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -129,6 +130,12 @@ class KVConnectorWorker(ABC):
     def wait_for_save(self) -> None:
         """After the forward pass: block until the cache may be overwritten."""
         return None
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Called when a step had nothing to compute and only transfers are pending: block up to
+        ``timeout`` seconds, returning early once a transfer may have ended. The default polls;
+        a connector that knows when its transfers end should wake the engine itself."""
+        time.sleep(min(timeout, 0.001))
 
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:

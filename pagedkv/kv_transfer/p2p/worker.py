@@ -120,6 +120,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._chunk_blocks = 1
         self._half_block_bytes = 1
         self._lock = threading.RLock()
+        #: Set when the engine has something to do: a transfer ended, or a PUT became ready.
+        self._progress = threading.Event()
         self._finished = KVConnectorOutput()
         # P
         self._outbound: dict[str, Outbound] = {}
@@ -246,6 +248,10 @@ class P2pConnectorWorker(KVConnectorWorker):
             else:
                 self._sent(stream.rec, stream.sender.num_bytes)
 
+    def wait_for_progress(self, timeout: float) -> None:
+        self._progress.wait(timeout)
+        self._progress.clear()
+
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
             done, self._finished = self._finished, KVConnectorOutput()
@@ -278,6 +284,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         if tombstone is not None and spec.transfer_id not in self._outbound:
             logger.info("transfer %s already ended (%s): freeing", spec.transfer_id, tombstone[0])
             self._finished.finished_sending.add(spec.request_id)
+            self._progress.set()
             return None
         rec = self._record(spec.transfer_id)
         rec.spec, rec.held = spec, True
@@ -327,6 +334,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         rec.state = SENDING
         if self.p2p_config.send_type == "PUT":
             self._put_ready.append(rec)  # sent synchronously at the start of the next step
+            self._progress.set()
         else:
             self._senders.submit(self._send_whole, rec)
 
@@ -480,6 +488,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         if rec.held and not rec.released:
             assert rec.spec is not None
             self._finished.finished_sending.add(rec.spec.request_id)
+            self._progress.set()
             rec.released = True
 
     def _end_outbound(self, rec: Outbound, state: TransferState, reason: str) -> None:
@@ -629,6 +638,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         rec.reported = True
         spec = rec.spec
         self._finished.finished_recving.add(spec.request_id)
+        self._progress.set()
         if not ok:
             self._finished.invalid_block_ids.update(
                 spec.block_ids[g][i] for g, ix in enumerate(spec.block_indices) for i in ix
