@@ -10,6 +10,7 @@ from typing import TextIO
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.model.generation_config import GenerationDefaults
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -17,10 +18,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
     g.add_argument(
-        "--temperature", type=float, default=0.0, help="0 = greedy, deterministic (default: 0)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else 0); with --seed "
+        "(default 0) sampling is reproducible",
     )
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter (default: 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: model's)")
+    g.add_argument("--top-k", type=int, default=None, help="0 = no top-k (default: model's)")
     g.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
     )
@@ -71,11 +76,17 @@ class OrderedStreamPrinter:
 
 
 def run_generate(args: argparse.Namespace) -> None:
+    engine_args = EngineArgs.from_cli_args(args)
+    defaults = GenerationDefaults.from_model_dir(engine_args.model_path)
+
+    def pick(value, default):
+        return default if value is None else value
+
     try:
         params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            temperature=pick(args.temperature, defaults.temperature),
+            top_p=pick(args.top_p, defaults.top_p),
+            top_k=pick(args.top_k, defaults.top_k),
             seed=args.seed,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
@@ -85,7 +96,7 @@ def run_generate(args: argparse.Namespace) -> None:
         sys.exit(f"pagedkv generate: error: {e}")
     from pagedkv.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineArgs.from_cli_args(args))
+    engine = LLMEngine(engine_args)
     try:
         request_ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]
     except ValueError as e:

@@ -8,9 +8,6 @@ that stops mid-prompt produces nothing); prefill and decode return the same resu
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -22,6 +19,7 @@ from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
     LogprobsTensors,
@@ -58,17 +56,6 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
     return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
 
 
-def read_eos_token_id(model_path: Path, model_config_eos: int | list[int] | None) -> int | None:
-    """``generation_config.json``'s eos (what ``transformers.generate`` stops on), else config's."""
-    eos = model_config_eos
-    path = model_path / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
-
-
 def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
     ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks
     return [Logprobs(i, v, r) for i, v, r in zip(ids, values, ranks.tolist())]
@@ -82,8 +69,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
         self.model_config: ModelConfig = self.model.config
-        hf_eos = json.loads((model_path / "config.json").read_text()).get("eos_token_id")
-        self.eos_token_id = read_eos_token_id(model_path, hf_eos)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
+        self.eos_token_id = self.generation_defaults.eos_token_id
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
         self.max_num_reqs = args.max_num_seqs

@@ -52,16 +52,27 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 
 @pytest.fixture
-def make_llm(checkpoint) -> Iterator:
-    """Build engines for a test; after it, each must hold no request and no block."""
+def make_llm_at() -> Iterator:
+    """Build engines on model directories; after the test each must hold no request and no
+    block."""
     made: list[LLM] = []
 
-    def make(arch: str, **engine_args) -> LLM:
-        engine_args.setdefault("max_num_seqs", 16)
-        llm = LLM(str(checkpoint(arch)), **engine_args)
+    def make(path: Path, **engine_args) -> LLM:
+        llm = LLM(str(path), **engine_args)
         made.append(llm)
         return llm
 
     yield make
     for llm in made:
         assert_all_blocks_free(llm)
+
+
+@pytest.fixture
+def make_llm(checkpoint, make_llm_at):
+    """``make_llm(arch, **engine_args)``: an engine on a tiny checkpoint (see ``make_llm_at``)."""
+
+    def make(arch: str, **engine_args) -> LLM:
+        engine_args.setdefault("max_num_seqs", 16)
+        return make_llm_at(checkpoint(arch), **engine_args)
+
+    return make

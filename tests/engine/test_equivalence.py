@@ -138,3 +138,19 @@ def test_sample_logprobs_match_transformers(make_llm, hf_model) -> None:
         assert token in entry and len(entry) == 2  # greedy: the sampled token is the top-1
         for t, value in entry.items():
             assert value == pytest.approx(expected[row, t].item(), abs=1e-4)
+
+
+def test_default_model_matches_transformers(make_llm_at) -> None:
+    """The built-in model (trained, not random) runs token-identically to transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    texts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_PATH, dtype=torch.float32).eval()
+    expected = [hf_generate(hf, p, new_tokens=48) for p in prompts]
+    llm = make_llm_at(DEFAULT_MODEL_PATH)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
