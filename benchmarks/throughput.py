@@ -33,6 +33,7 @@ def run_ours_single(llm, prompt: list[int], new_tokens: int) -> dict:
     from pagedkv import SamplingParams
 
     engine = llm.llm_engine
+    engine.reset_prefix_cache()  # a cold start, as for transformers: no reused prompt blocks
     t0 = time.perf_counter()
     engine.add_request(
         None, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

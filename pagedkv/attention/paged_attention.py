@@ -50,9 +50,13 @@ class GatherBuffer:
         ):
             storage = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
             self._storage = storage
-        out = storage[:numel].view(2, block_ids.numel(), block_numel)
-        torch.index_select(kv_cache.view(2, num_blocks, block_numel), 1, block_ids, out=out)
-        return out.view(2, block_ids.numel() * block_size, num_kv_heads, head_size)
+        num_ids = block_ids.numel()
+        # One gather over the first dimension of the cache viewed as K rows then V rows: torch
+        # parallelises index_select over dim 0 only (2x faster on 2 threads than over dim 1).
+        rows = torch.cat((block_ids, block_ids + num_blocks))
+        out = storage[:numel].view(2 * num_ids, block_numel)
+        torch.index_select(kv_cache.view(2 * num_blocks, block_numel), 0, rows, out=out)
+        return out.view(2, num_ids * block_size, num_kv_heads, head_size)
 
 
 def paged_attention(
