@@ -76,6 +76,36 @@ def test_every_kind_of_bad_message_is_rejected_with_its_reason() -> None:
     assert _reason([good[0], hello[1], b""], codec(None)) == "malformed"
 
 
+BAD_HOSTS = ["foo bar", "*", "", "\x00", "a" * 254, "-lead", "évil", "h:1", 5, None]
+
+
+def test_a_bad_peer_address_is_refused_where_it_enters() -> None:
+    """Hosts ZMQ would raise on never reach a socket: not from kv_transfer_params (the load
+    fails by policy) and not from an envelope (dropped as malformed). A host of "a b" from a
+    client once killed a D's engine thread (ZMQError out of start_load_kv)."""
+    from pagedkv.kv_transfer.p2p.connector import parse_remote_load
+
+    good = {"transfer_id": "t", "remote_host": "127.0.0.1", "remote_port": 5,
+            "remote_engine_id": "P"}  # fmt: skip
+    assert parse_remote_load(good).remote == PeerAddr("P", "127.0.0.1", 5)
+    for host in ("::1", "[::1]", "p-0.pods.local", "my_service"):
+        assert parse_remote_load({**good, "remote_host": host}).error is None
+    for field, values in (
+        ("remote_host", BAD_HOSTS),
+        ("remote_port", [0, 65536, -1, True, "5", 5.0]),
+        ("remote_engine_id", ["", "e" * 257, 7]),
+    ):
+        for value in values:
+            load = parse_remote_load({**good, field: value})
+            assert load.remote is None and field in load.error, (field, value)
+    for host in BAD_HOSTS[:-2]:
+        with pytest.raises(ValueError):
+            PeerAddr("e", host, 1)  # type: ignore[arg-type]
+        sender = ["e", host, 1]
+        envelope = msgspec.msgpack.encode([PROTOCOL_VERSION, "fp", "want", sender])
+        assert _reason([envelope, codec(None).encode(WANT, ME)[1], b""], codec(None)) == "malformed"
+
+
 def test_the_mac_covers_envelope_and_payload() -> None:
     env, payload, mac = codec().encode(WANT, ME)
     other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]], [[2]]), ME)

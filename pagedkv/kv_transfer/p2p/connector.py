@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.kv_transfer.p2p.protocol import MAX_ENGINE_ID_LEN, PeerAddr, check_host
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -70,13 +70,18 @@ def remote_peer(params: dict[str, Any]) -> PeerAddr:
         params.get("remote_port"),
         params.get("remote_engine_id"),
     )
-    if not isinstance(host, str) or not host:
-        raise ValueError("kv_transfer_params.remote_host must be a host name or address")
-    if not isinstance(port, int) or not 0 < port < 65536:
+    try:
+        check_host(host)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError("kv_transfer_params.remote_host must be a host name or address") from None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError("kv_transfer_params.remote_port must be a port number")
-    if not isinstance(engine_id, str) or not engine_id:
-        raise ValueError("kv_transfer_params.remote_engine_id must be a non-empty string")
-    return PeerAddr(engine_id, host, port)
+    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN:
+        raise ValueError(
+            f"kv_transfer_params.remote_engine_id must be a string of 1 to {MAX_ENGINE_ID_LEN} "
+            "characters"
+        )
+    return PeerAddr(engine_id, host, port)  # type: ignore[arg-type]
 
 
 class RemoteLoad(NamedTuple):

@@ -70,9 +70,14 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ outbound
     def send(self, peer: PeerAddr, message: msgspec.Struct) -> bool:
-        """Queue ``message`` to ``peer`` (never blocks); False if it could not be queued."""
+        """Queue ``message`` to ``peer`` (never blocks, never raises); False if it could not
+        be queued."""
         frames = self.codec.encode(message, self.address)
-        dealer = self._dealer(peer.endpoint)
+        try:
+            dealer = self._dealer(peer.endpoint)
+        except zmq.ZMQError as e:  # no socket to that endpoint (bad address, no descriptors)
+            logger.warning("%s: no connection to %s for %s: %s", self.name, peer, message, e)
+            return False
         if dealer is None:
             return False
         with dealer.lock:
@@ -90,9 +95,13 @@ class ControlPlane:
             dealer = self._dealers.get(endpoint)
             if dealer is None:
                 socket = self._ctx.socket(zmq.DEALER)
-                socket.setsockopt(zmq.LINGER, 0)
-                socket.setsockopt(zmq.SNDHWM, 10_000)
-                socket.connect(endpoint)
+                try:
+                    socket.setsockopt(zmq.LINGER, 0)
+                    socket.setsockopt(zmq.SNDHWM, 10_000)
+                    socket.connect(endpoint)
+                except zmq.ZMQError:
+                    socket.close(linger=0)
+                    raise
                 dealer = self._dealers[endpoint] = _Dealer(socket)
             return dealer
 
