@@ -137,6 +137,67 @@ def test_the_listener_survives_bad_input_and_keeps_serving() -> None:
         plane.close()
 
 
+def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> None:
+    """Replies go to the address an envelope claims, and a Hello starts a pair-group setup:
+    2000 spoofed senders once opened 2000 DEALERs (the process ran out of descriptors) and
+    300 Hellos held 300 setup threads. Both are bounded now, and real peers still work."""
+    import os
+
+    from pagedkv.kv_transfer.p2p.pair_group import MAX_PENDING_SETUPS
+
+    address = PeerAddr("victim", "127.0.0.1", free_port())
+    groups: list[PairGroups] = []
+    plane = ControlPlane(
+        codec(),
+        address,
+        {
+            Heartbeat: lambda peer, m: plane.send(peer, Heartbeat()),  # answers, as P does
+            Hello: lambda peer, m: groups[0].on_hello(peer, m),
+        },
+        max_peers=16,
+    )
+    groups.append(PairGroups(address, plane.send, setup_timeout_s=1, op_timeout_s=1))
+    plane.start()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address.endpoint)
+    try:
+        for i in range(600):
+            spoofed = PeerAddr(f"spoof-{i}", "127.0.0.1", 20000 + i)
+            dealer.send_multipart(codec().encode(Heartbeat(), spoofed))
+        for i in range(3 * MAX_PENDING_SETUPS):
+            dealer.send_multipart(codec().encode(Hello(f"g{i}"), PeerAddr(f"h{i}", "h", 1)))
+        wait_until(lambda: plane.num_evicted_peers >= 600 - 16)
+        assert len(plane._dealers) <= 16
+        assert groups[0].num_pending <= MAX_PENDING_SETUPS
+        # ~4 descriptors per pending setup; closed DEALERs let theirs go after their linger.
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) - fds_before < 200)
+        # A real message still gets through and is answered.
+        reply_port = free_port()
+        inbox = ctx.socket(zmq.ROUTER)
+        inbox.bind(f"tcp://127.0.0.1:{reply_port}")
+        dealer.send_multipart(
+            codec().encode(Heartbeat(), PeerAddr("real", "127.0.0.1", reply_port))
+        )
+        assert inbox.poll(5000), "no answer to a real peer"
+        _, *frames = inbox.recv_multipart()
+        assert isinstance(codec().decode(frames)[1], Heartbeat)
+        inbox.close(linger=0)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        groups[0].close()
+        plane.close()
+
+
+def wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 # ---------------------------------------------------------------------------- leases, pool
 def test_expiry_scans_every_lease_not_insertion_order() -> None:
     leases = LeaseTable(lease_s=10)

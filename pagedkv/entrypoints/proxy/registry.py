@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 #: The registry's namespace in the envelope (the KV control plane uses the model fingerprint).
 REGISTRY_NAMESPACE = "pagedkv-registry-v1"
 MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
+#: Instances the proxy tracks at once: registrations from more engine ids are refused.
+MAX_INSTANCES = 4096
 PREFILL_ROLES = ("kv_producer", "kv_both")
 DECODE_ROLES = ("kv_consumer", "kv_both")
 
@@ -96,6 +98,8 @@ class InstanceRegistry:
         self.timeout_s = timeout_s
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
+        #: Registrations refused because MAX_INSTANCES instances were already tracked.
+        self.num_refused = 0
         self._plane = ControlPlane(
             registry_codec(secret),
             PeerAddr("proxy", host, port),
@@ -116,6 +120,11 @@ class InstanceRegistry:
     def _on_register(self, sender: PeerAddr, info: Register) -> None:
         with self._lock:
             known = self._instances.get(sender.engine_id)
+            if known is None and len(self._instances) >= MAX_INSTANCES:
+                self._drop_stale_locked(time.monotonic())
+                if len(self._instances) >= MAX_INSTANCES:
+                    self.num_refused += 1
+                    return
             self._instances[sender.engine_id] = Instance(sender, info, time.monotonic())
         if known is None or known.info.http_url != info.http_url:
             logger.info("registered %s %s at %s", info.role, sender.engine_id, info.http_url)
@@ -129,13 +138,17 @@ class InstanceRegistry:
         if instance is not None:
             logger.warning("dropped %s (%s): %s", engine_id, instance.info.http_url, reason)
 
+    def _drop_stale_locked(self, now: float) -> list[Instance]:
+        stale = [i for i in self._instances.values() if now - i.last_seen > self.timeout_s]
+        for instance in stale:
+            del self._instances[instance.engine_id]
+        return stale
+
     def live(self) -> list[Instance]:
         """Instances heard from within ``timeout_s`` (the others are dropped, with a log line)."""
         now = time.monotonic()
         with self._lock:
-            stale = [i for i in self._instances.values() if now - i.last_seen > self.timeout_s]
-            for instance in stale:
-                del self._instances[instance.engine_id]
+            stale = self._drop_stale_locked(now)
             live = list(self._instances.values())
         for instance in stale:
             logger.warning(

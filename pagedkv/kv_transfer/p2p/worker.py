@@ -86,6 +86,9 @@ DELIVERED, REFUSED, FAILED, EXPIRED = (
 
 #: No single message may be larger, whatever a WANT asks for.
 MAX_MESSAGE_BYTES = 256 << 20
+#: Ended transfers remembered (P), oldest forgotten first: a flood of CANCELs for made-up
+#: transfer ids costs bounded memory.
+MAX_TOMBSTONES = 1 << 16
 
 
 class TransferError(RuntimeError):
@@ -190,6 +193,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         rejected = dict(self.control.rejected)
         out["num_rejected_messages"] = sum(rejected.values())
         out.update({f"num_rejected_{reason}": n for reason, n in rejected.items()})
+        out["num_evicted_peers"] = self.control.num_evicted_peers
+        out["num_dropped_hellos"] = self.groups.num_dropped_hellos
         if self._pool is not None:
             out["send_pool_used_bytes"] = self._pool.used_bytes
         return out
@@ -507,6 +512,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._leases.release(rec.transfer_id)
 
     def _tombstone(self, transfer_id: str, why: str) -> None:
+        if transfer_id not in self._ended and len(self._ended) >= MAX_TOMBSTONES:
+            del self._ended[next(iter(self._ended))]  # the oldest
         self._ended[transfer_id] = (why, time.monotonic() + self._tombstone_s)
 
     # ================================================================== P: messages from D
@@ -821,6 +828,12 @@ class P2pConnectorWorker(KVConnectorWorker):
         for table in (self._ended, self._cancelled):
             for key in [k for k, (_, expiry) in table.items() if expiry < now]:
                 del table[key]
+        # Senders long silent: only pending loads read these (and bound them by their start).
+        # list() copies in one C call: safe while the listener thread adds entries.
+        horizon = now - max(60.0, 4 * self.p2p_config.peer_timeout_s)
+        for engine_id, heard in list(self._last_heard.items()):
+            if heard < horizon:
+                self._last_heard.pop(engine_id, None)
 
     def _heartbeats(self) -> dict[PeerAddr, list[str]]:
         """D: per P, the transfers still awaited (renews P's leases; P's answer = liveness)."""
