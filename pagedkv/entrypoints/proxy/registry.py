@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 import zmq
 
+from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr
 
@@ -35,7 +37,9 @@ DECODE_ROLES = ("kv_consumer", "kv_both")
 
 
 class Register(msgspec.Struct, frozen=True):
-    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender."""
+    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender.
+    Checked on construction and decoding (a bad one is a ``malformed`` message): the proxy
+    builds request URLs from ``http_url``, and httpx raises on a malformed one."""
 
     role: str  # kv_role: kv_producer | kv_consumer | kv_both
     http_url: str
@@ -44,6 +48,18 @@ class Register(msgspec.Struct, frozen=True):
     fingerprint: str
     num_running: int = 0
     num_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"role must be one of {KV_ROLES}, got {self.role!r:.40}")
+        try:
+            url = httpx.URL(self.http_url)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"http_url: {e}") from None
+        if url.scheme not in ("http", "https") or not url.host or url.query or url.fragment:
+            raise ValueError(f"http_url must be http(s)://host[:port][/path], got {url!s:.80}")
+        if self.num_running < 0 or self.num_waiting < 0:
+            raise ValueError("num_running and num_waiting must be >= 0")
 
 
 class Deregister(msgspec.Struct, frozen=True):
