@@ -28,7 +28,7 @@ def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
-        seen.append(body)
+        seen.append({**body, "x-request-id": request.headers.get("x-request-id")})
         if behaviour == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if behaviour == "error400":
@@ -127,9 +127,11 @@ def test_a_failing_prefill_is_retried_on_another_pair_with_a_fresh_transfer(prox
         {"p-bad": ("kv_producer", "error500"), "p-good": ("kv_producer", "ok"),
          "d": ("kv_consumer", "ok")}
     )  # fmt: skip
-    for _ in range(2):  # round robin (a retry takes a turn): both start on the bad P
-        r = client.post("/v1/completions", json=BODY)
+    for i in range(2):  # round robin (a retry takes a turn): both start on the bad P
+        r = client.post("/v1/completions", json=BODY, headers={"X-Request-Id": f"c{i}"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w1 w2"
+    # D got the client's request id (a retry's suffixed: never the aborted attempt's id).
+    assert [b["x-request-id"] for b in seen["d"]] == ["c0", "c0-retry1", "c1", "c1-retry1"]
     assert (len(seen["p-bad"]), len(seen["p-good"]), len(seen["d"])) == (2, 2, 4)
     # P got max_tokens=1 and D's KV address; D got the original request and P's.
     for p_body in seen["p-good"] + seen["p-bad"]:
