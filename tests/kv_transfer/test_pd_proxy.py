@@ -31,6 +31,7 @@ from tests.kv_transfer.conftest import (
     total,
     wait_all_blocks_free,
 )
+from tests.load_check import short_load
 from tests.tiny_models import random_prompt
 
 PREFILLERS = {"P-put": "PUT", "P-async": "PUT_ASYNC", "P-get": "GET"}
@@ -92,6 +93,16 @@ def test_chat_and_streaming_through_the_proxy_match_a_direct_request(xpyd) -> No
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     wait_all_blocks_free(xpyd.servers)
+
+
+def test_xpyd_under_load_answers_each_request_once_and_comes_back_to_rest(xpyd) -> None:
+    """6 streaming clients through the proxy for 4 s over 3 P (one per send type) and 2 D."""
+    servers = xpyd.servers
+    delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
+    before = total(servers, PREFILLERS, delivered)
+    urls = [server.base_url for server in servers.values()]
+    _, results = short_load([xpyd.proxy.base_url], urls, seconds=4, clients=6)
+    assert total(servers, PREFILLERS, delivered) - before == len(results)
 
 
 def test_hostile_control_messages_are_rejected_logged_and_survived(xpyd) -> None:
