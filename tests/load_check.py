@@ -23,12 +23,14 @@ def short_load(
     output_len: int = 8,
     settle_timeout_s: float = 20.0,
     dataset: str = "random",
+    num_prompts: int = 16,
     seed: int = 0,
 ) -> tuple[dict, list[RequestResult]]:
     """Run ``clients`` streaming clients for ``seconds`` and check the run; returns the summary
-    (printed: ``pytest -s`` shows each deployment's figures) and the results."""
+    (printed: ``pytest -s`` shows each deployment's figures) and the results. Request ``i``
+    sends prompt ``i % num_prompts`` to base URL ``i % len(base_urls)``."""
     requests = sample_requests(
-        dataset, 16, input_len, output_len, vocab_size=256, seed=seed, prefix_len=32
+        dataset, num_prompts, input_len, output_len, vocab_size=256, seed=seed, prefix_len=32
     )
     results, duration = asyncio.run(
         run_load(
