@@ -214,3 +214,31 @@ def test_a_full_get_pool_nacks_and_each_policy_applies(
         assert changes(d, before) == {"num_loads_refused": 1}
     assert p.wait_settled()["connector"]["num_sends_refused"] == 2
     assert "send pool full" in p.log()
+
+
+def test_a_transfer_id_used_twice_at_once_strands_no_block(shared, reference_outputs) -> None:
+    """Two live requests with one transfer id (a client talking to P or D directly can send
+    that): once, both shared P's transfer record and the blocks of one were held forever.
+    Now the second is refused (P: its KV is not sent; D: its load fails by policy) and the
+    first is served."""
+    p, d = shared.p, shared.d["fail"]
+    prompt = random_prompt(40, seed=14)
+    tid = uuid.uuid4().hex
+    # P: the first is held for its lease (no D comes), the second is not held at all.
+    for rid in ("dup-p1", "dup-p2"):
+        p.add(rid, prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    p.wait(["dup-p1", "dup-p2"])
+    p.wait_settled(timeout_s=10)
+    assert "is already in use by request dup-p1" in p.log()
+    # D: the first load gets P's KV, the second fails at once by D's policy.
+    tid = uuid.uuid4().hex
+    for rid in ("dup-d1", "dup-d2"):
+        params = {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address}
+        d.add(rid, prompt, params, max_tokens=MAX_TOKENS)
+    p.add("dup-src", prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    outs = d.wait(["dup-d1", "dup-d2"])
+    assert outs["dup-d1"]["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+    assert outs["dup-d2"]["finish_reason"] == "error"
+    assert "already in use by another request" in d.log()
+    d.wait_settled()
+    p.wait_settled()

@@ -653,7 +653,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         log = logger.info if state is DELIVERED else logger.warning
         log("transfer %s from %s: %s (%s)", spec.transfer_id, spec.remote, state.value, reason)
         self._report_load(rec, ok=state is DELIVERED)
-        self._inbound_by_tid.pop(spec.transfer_id, None)
+        if self._inbound_by_tid.get(spec.transfer_id) is rec:  # not another load's id
+            del self._inbound_by_tid[spec.transfer_id]
         if spec.remote is None or state is REFUSED:
             return
         if was is PENDING:
