@@ -441,11 +441,13 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._leases.renew(rec.transfer_id)
 
     def _send_failed(self, rec: Outbound, group: PairGroup | None, error: Exception) -> None:
-        """Before XFER_BEGIN, D hears a NACK; after it, D's receive fails with the group."""
+        """D hears a NACK (group lost: the group is dropped here). A D already receiving
+        ignores it (its receive fails with the group); a D still waiting for XFER_BEGIN (it
+        never came, or was lost) ends the load and sets up a fresh group for the next."""
         reason = f"send failed: {error}"
         with self._lock:
             self._end_outbound(rec, FAILED, reason)
-            if not rec.begun and rec.peer is not None:
+            if rec.peer is not None:
                 self.control.send(rec.peer, Nack(rec.transfer_id, reason, group_lost=True))
         if group is not None:
             self.groups.drop(group.peer.engine_id, reason, group.name)
@@ -622,7 +624,6 @@ class P2pConnectorWorker(KVConnectorWorker):
         if rec is None:
             return  # already ended (its finished_recving is on its way)
         if rec.state is PENDING:
-            self._cancelled[rec.spec.transfer_id] = (rec, time.monotonic() + 60)
             self._end_inbound(rec, FAILED, reason)
         elif rec.state is RECEIVING:
             with rec.lock:  # nothing more is posted into or scattered into its blocks
@@ -655,6 +656,11 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._report_load(rec, ok=state is DELIVERED)
         if self._inbound_by_tid.get(spec.transfer_id) is rec:  # not another load's id
             del self._inbound_by_tid[spec.transfer_id]
+        if was is PENDING and rec.segments:
+            # Ended before its data began (cancelled, refused, P silent): if P sends it anyway
+            # (its WANT came late, or crossed our CANCEL), it is drained, never stored, so
+            # P's send ends at once instead of stalling for transfer_timeout_s.
+            self._cancelled[spec.transfer_id] = (rec, time.monotonic() + 60)
         if spec.remote is None or state is REFUSED:
             return
         if was is PENDING:
