@@ -242,3 +242,70 @@ def test_a_transfer_id_used_twice_at_once_strands_no_block(shared, reference_out
     assert "already in use by another request" in d.log()
     d.wait_settled()
     p.wait_settled()
+
+
+# ---------------------------------------------------------------------------- lost messages
+def test_lost_and_late_control_messages_end_each_request_and_free_every_block(
+    start_engine, shared, reference_outputs
+) -> None:
+    """D (recompute policy) loses its first WANT, sends its second 0.8 s late (overtaken
+    by a heartbeat) and loses the DONE of the third transfer. Each request still gets its
+    exact output, and P frees every block in bounded time:
+      1. lost WANT: D's next heartbeat names a transfer P never heard of -> NACK -> D
+         recomputes; P's KV waits for a WANT that never comes -> freed at its 1 s lease.
+      2. late WANT: NACKed as in 1, then the WANT arrives and P sends anyway -> D drains
+         the data it no longer wants (never stored) and says so -> P frees at once (before:
+         P's send stalled for transfer_timeout_s, 30 s, holding the blocks).
+      3. lost DONE: the KV is delivered; P never hears so -> freed at its 1 s lease."""
+    p = shared.p
+    d = start_engine(
+        "D-lossy",
+        hook="drop:want@1,delay:want@2:0.8,drop:done@2",
+        kv_transfer_config=p2p_config(
+            "kv_consumer", "D-lossy", kv_load_failure_policy="recompute", kv_load_timeout=5.0
+        ),
+    )
+    expect = {
+        "lost WANT": ({"num_loads_refused": 1}, {"num_sends_expired": 1}),
+        "late WANT": ({"num_loads_refused": 1}, {"num_sends_failed": 1}),
+        "lost DONE": ({"num_loads_delivered": 1}, {"num_sends_expired": 1}),
+    }
+    for i, (case, (d_moved, p_moved)) in enumerate(expect.items()):
+        prompt = random_prompt(30 + 10 * i, seed=15 + i)
+        d_before, p_before = d.wait_settled()["connector"], p.wait_settled()["connector"]
+        t0 = time.monotonic()
+        (out,) = disaggregate(p, d, [prompt])
+        assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0], case
+        moved = {k: v for k, v in changes(d, d_before).items() if k.startswith("num_loads")}
+        assert moved == d_moved, case
+        moved = {k: v for k, v in changes(p, p_before).items() if k.startswith("num_sends")}
+        assert moved == p_moved, case  # settled: P holds no block
+        assert time.monotonic() - t0 < 8, case  # never P's 30 s transfer timeout
+
+
+def test_a_lost_xfer_begin_fails_that_transfer_in_bounded_time_and_the_pair_recovers(
+    start_engine, shared, reference_outputs
+) -> None:
+    """P's first XFER_BEGIN is lost: D never posts its receives, so P's send times out (2 s),
+    P drops the pair group and NACKs (group lost): D recomputes that request and drops its
+    side of the group. The next transfer between the two sets up a fresh group and is
+    delivered (before, D kept the stale group and the next request was refused too)."""
+    d = shared.d["recompute"]
+    p = start_engine(
+        "P-lossy",
+        hook="drop:xfer_begin@1",
+        kv_transfer_config=p2p_config("kv_producer", "P-lossy", transfer_timeout_s=2.0),
+    )
+    d_before = d.wait_settled()["connector"]
+    prompts = [random_prompt(40, seed=17), random_prompt(40, seed=18)]
+    t0 = time.monotonic()
+    (first,) = disaggregate(p, d, prompts[:1])
+    assert time.monotonic() - t0 < 10
+    (second,) = disaggregate(p, d, prompts[1:])
+    assert [first["token_ids"], second["token_ids"]] == reference_outputs(
+        "llama", prompts, MAX_TOKENS
+    )
+    moved = changes(d, d_before)
+    assert moved["num_loads_refused"] == 1 and moved["num_loads_delivered"] == 1, moved
+    p_stats = p.wait_settled()["connector"]
+    assert p_stats["num_sends_failed"] == 1 and p_stats["num_sends_delivered"] == 1, p_stats
