@@ -309,3 +309,45 @@ def test_a_lost_xfer_begin_fails_that_transfer_in_bounded_time_and_the_pair_reco
     assert moved["num_loads_refused"] == 1 and moved["num_loads_delivered"] == 1, moved
     p_stats = p.wait_settled()["connector"]
     assert p_stats["num_sends_failed"] == 1 and p_stats["num_sends_delivered"] == 1, p_stats
+
+
+# ---------------------------------------------------------------------------- silent peers
+def test_a_peer_that_never_answers_ends_the_load_at_its_deadline(shared, reference_outputs):
+    """Two "P"s that never answer: a ZMQ ROUTER that reads every message and stays silent,
+    and a TCP socket that accepts and never speaks (the ZMQ handshake never completes). The
+    loads from them end at D's 3 s deadline by each D's policy (fail: an error; recompute:
+    the exact output) and both Ds come back to rest."""
+    import socket
+
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router_port = router.bind_to_random_port("tcp://127.0.0.1")
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    prompt = random_prompt(40, seed=19)
+    try:
+        started = time.monotonic()
+        for policy, port in (("fail", router_port), ("recompute", mute.getsockname()[1])):
+            remote = {"remote_host": "127.0.0.1", "remote_port": port,
+                      "remote_engine_id": f"silent-{policy}"}  # fmt: skip
+            params = {"do_remote_prefill": True, "transfer_id": uuid.uuid4().hex, **remote}
+            shared.d[policy].add(f"silent-{policy}", prompt, params, max_tokens=MAX_TOKENS)
+        outs = {p: shared.d[p].wait([f"silent-{p}"])[f"silent-{p}"] for p in ("fail", "recompute")}
+        assert 3.0 <= time.monotonic() - started < 8
+        assert outs["fail"]["finish_reason"] == "error"
+        assert outs["recompute"]["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+        kinds = set()
+        while router.poll(100):
+            _, envelope, *_ = router.recv_multipart()
+            kinds.add(msgspec.msgpack.decode(envelope)[2])
+        assert {"hello", "want"} <= kinds  # it heard the request, and said nothing
+        for d in shared.d.values():
+            d.wait_settled()
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        mute.close()
