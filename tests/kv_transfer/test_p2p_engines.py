@@ -351,3 +351,23 @@ def test_a_peer_that_never_answers_ends_the_load_at_its_deadline(shared, referen
         router.close(linger=0)
         ctx.term()
         mute.close()
+
+
+def test_a_preemption_storm_on_d_with_loads_in_flight(start_engine, shared, reference_outputs):
+    """12 disaggregated requests into a D whose pool holds about three of them: loads wait
+    for blocks, running requests are preempted (a loaded request recomputes like any other),
+    nothing deadlocks on blocks held by waiting loads; every output is exact and both sides
+    come back to rest."""
+    p = shared.p
+    d = start_engine(
+        "D-tiny",
+        kv_transfer_config=p2p_config("kv_consumer", "D-tiny", kv_load_timeout=20.0),
+        num_gpu_blocks_override=12,
+    )
+    prompts = [random_prompt(44 + i % 4, seed=900 + i) for i in range(12)]  # 3 blocks, then 4
+    outs = disaggregate(p, d, prompts)
+    assert [o["token_ids"] for o in outs] == reference_outputs("llama", prompts, MAX_TOKENS)
+    stats = d.wait_settled()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["connector"]["num_loads_delivered"] == len(prompts)
+    p.wait_settled()
