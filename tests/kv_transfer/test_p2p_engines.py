@@ -371,3 +371,49 @@ def test_a_preemption_storm_on_d_with_loads_in_flight(start_engine, shared, refe
     assert stats["num_preemptions"] > 0, stats
     assert stats["connector"]["num_loads_delivered"] == len(prompts)
     p.wait_settled()
+
+
+# ---------------------------------------------------------------------------- fuzzed messages
+def test_fuzzed_control_messages_into_live_listeners_change_no_transfer(shared, reference_outputs):
+    """Hypothesis feeds P's and D's listeners what a buggy peer (or one spoofing made-up
+    engine ids) could send: random frames, and random or well-typed structures of every
+    message kind under valid envelopes (Hellos, rendezvous keys, WANTs, heartbeats...).
+    Both listeners survive, transfers before and after are exact, both come back to rest."""
+    import zmq
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Codec
+    from tests.kv_transfer.test_fuzz_control_plane import message_frames
+
+    p, d = shared.p, shared.d["recompute"]
+    prompts = [random_prompt(36, seed=20), random_prompt(52, seed=21)]
+    expected = reference_outputs("llama", prompts, MAX_TOKENS)
+    assert disaggregate(p, d, prompts[:1])[0]["token_ids"] == expected[0]
+    rejected_before = p.stats()["connector"]["num_rejected_messages"]
+    codec = Codec(p.stats()["fingerprint"], None, 1 << 20)  # no secret on these engines
+    ctx = zmq.Context()
+    dealers = []
+    for host in (p, d):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{host.kv_transfer_config['kv_port']}")
+        dealers.append(dealer)
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(batch=st.lists(message_frames(codec, MESSAGE_TYPES), min_size=1, max_size=6))
+    def fuzz(batch) -> None:
+        for frames in batch:
+            for dealer in dealers:
+                dealer.send_multipart(frames)
+
+    try:
+        fuzz()
+        assert disaggregate(p, d, prompts[1:])[0]["token_ids"] == expected[1]
+    finally:
+        for dealer in dealers:
+            dealer.close(linger=0)
+        ctx.term()
+    assert p.stats()["connector"]["num_rejected_messages"] > rejected_before
+    for host in (p, d):
+        assert host.process.is_alive()
+        host.wait_settled()
