@@ -203,6 +203,18 @@ def test_no_instance_is_a_clear_503(lone_proxy) -> None:
 def test_the_proxy_checks_its_api_key_and_the_body(lone_proxy) -> None:
     r = lone_proxy.post("/v1/completions", json={"prompt": "w1"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    for wrong in ("Bearer K", "Bearer k ", "k", "Basic k"):
+        r = lone_proxy.post(
+            "/v1/completions", json={"prompt": "w1"}, headers={"Authorization": wrong}
+        )
+        assert r.status_code == 401, wrong
+    assert lone_proxy.get("/instances").status_code == 401
+    assert lone_proxy.get("/v1/models").status_code == 401
+    from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
+
+    huge = b'{"prompt": "' + b"w1 " * (DEFAULT_MAX_BODY_BYTES // 3 + 1) + b'"}'
+    r = lone_proxy.post("/v1/completions", content=huge, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
     auth = {"Authorization": "Bearer k", "Content-Type": "application/json"}
     r = lone_proxy.post("/v1/chat/completions", content=b"{not json", headers=auth)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
