@@ -232,6 +232,10 @@ def test_the_pair_store_waits_with_a_timeout_and_can_be_abandoned() -> None:
     threading.Timer(0.05, store.deliver, args=("theirs", b"2")).start()
     store.wait(["theirs"])
     assert store.check(["mine", "theirs"])
+    # A peer can't grow the mirror without bound: 64 keys, 16 KiB values.
+    assert not store.deliver("big", b"x" * ((16 << 10) + 1))
+    assert all(store.deliver(f"k{i}", b"v") for i in range(62))
+    assert not store.deliver("one-too-many", b"v")
     store.abort("shutdown")
     with pytest.raises(RuntimeError, match="abandoned"):
         store.get("never")
