@@ -367,3 +367,16 @@ def test_extra_config_is_validated_naming_the_key() -> None:
             config(**bad)
     with pytest.raises(ValueError, match="kv_port"):
         P2pConfig.from_kv_transfer_config(KVTransferConfig("P2pConnector", "kv_both", kv_port=0))
+
+
+def test_listening_beyond_loopback_without_a_secret_is_warned_about(caplog) -> None:
+    import logging
+
+    from pagedkv.kv_transfer.p2p.protocol import warn_if_open
+
+    log = logging.getLogger("test")
+    for host, secret in (("127.0.0.1", None), ("localhost", None), ("10.1.2.3", b"s")):
+        warn_if_open(log, "the plane", host, secret)
+    assert not caplog.records
+    warn_if_open(log, "the plane", "0.0.0.0", None)
+    assert "without a shared secret" in caplog.text

@@ -23,7 +23,7 @@ import zmq
 
 from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
-from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr
+from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, warn_if_open
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ class InstanceRegistry:
         self._lock = threading.Lock()
         #: Registrations refused because MAX_INSTANCES instances were already tracked.
         self.num_refused = 0
+        warn_if_open(logger, "the proxy's registry", host, secret)
         self._plane = ControlPlane(
             registry_codec(secret),
             PeerAddr("proxy", host, port),

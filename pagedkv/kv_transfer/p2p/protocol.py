@@ -48,6 +48,28 @@ def check_host(host: str) -> None:
         raise ValueError(f"host must be an IP address or a host name, got {host!r:.80}")
 
 
+def is_loopback(host: str) -> bool:
+    """``host`` only reaches this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(logger, what: str, host: str, secret: bytes | None) -> None:
+    """Without a shared secret, anyone who reaches ``host`` is trusted: say so when that is
+    more than this machine."""
+    if secret is None and not is_loopback(host):
+        logger.warning(
+            "%s listens on %s without a shared secret: anyone who can reach it is trusted "
+            "(set $PAGEDKV_KV_SECRET on every instance and the proxy)",
+            what,
+            host,
+        )
+
+
 class PeerAddr(msgspec.Struct, frozen=True, array_like=True):
     """Where an instance's control plane listens, and who it is. Checked on construction and
     on decoding (msgspec runs ``__post_init__``): a bad address is a ValueError, or a

@@ -52,6 +52,7 @@ from pagedkv.kv_transfer.p2p.protocol import (
     StoreSet,
     Want,
     XferBegin,
+    warn_if_open,
 )
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.transfer import (
@@ -143,6 +144,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._last_heard: dict[str, float] = {}
 
         codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes)
+        warn_if_open(logger, "the P2P control plane", config.kv_ip, p2p.secret_bytes)
         self.control = ControlPlane(
             codec,
             self.me,
