@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedkv.entrypoints.cli import main, make_parser
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, run_pagedkv
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, free_port, run_pagedkv
 
 COMMANDS = [[], ["generate"], ["serve"], ["bench"], ["bench", "throughput"], ["bench", "serve"]]
 
@@ -91,6 +91,44 @@ def test_bench_serve_writes_json_and_plot(server: Server, tmp_path: Path) -> Non
     assert all(r["ok"] and len(r["itl"]) >= 1 for r in requests)
     assert report["config"]["model"] == MODEL_NAME
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_serve_for_a_duration_checks_each_answer_and_the_metrics(
+    server: Server, tmp_path: Path
+) -> None:
+    """The load driver on a single instance: 4 clients back to back for 3 s; every request
+    answered exactly once; afterwards no request runs and no KV block is in use."""
+    result_json = tmp_path / "load.json"
+    result = run_pagedkv(
+        "bench", "serve",
+        "--base-url", server.base_url,
+        "--api-key", API_KEY,
+        "--input-len", "40",
+        "--output-len", "8",
+        "--num-prompts", "8",
+        "--duration", "3",
+        "--max-concurrency", "4",
+        "--check-metrics", server.base_url,
+        "--result-json", str(result_json),
+        "--disable-tqdm",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{server.base_url}: at rest" in result.stdout
+    report = json.loads(result_json.read_text())
+    summary, requests = report["summary"], report["requests"]
+    assert summary["failed"] == 0 and summary["completed"] == len(requests) > 8  # prompts reused
+    assert sorted(r["index"] for r in requests) == list(range(len(requests)))
+    assert summary["instances"] == {server.base_url: True}
+    assert "p99_ms" in summary["ttft"] and "p99_ms" in summary["itl"]
+
+
+def test_an_instance_that_does_not_answer_is_not_at_rest(server: Server) -> None:
+    from pagedkv.entrypoints.bench.settle import wait_settled
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    ok, gone = wait_settled([server.base_url, dead], timeout_s=0.3)
+    assert ok.settled and ok.gauges["pagedkv:kv_cache_usage_perc"] == 0
+    assert not gone.settled and "ConnectError" in gone.describe()
 
 
 def test_bench_serve_counts_failures(server: Server) -> None:

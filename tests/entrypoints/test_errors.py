@@ -102,6 +102,19 @@ def test_malformed_json_is_400(server: Server) -> None:
     server.assert_alive()
 
 
+def test_kv_transfer_params_that_json_cannot_carry_are_400(server: Server) -> None:
+    """Python's parser lets NaN and Infinity in, and the answer echoes kv_transfer_params:
+    once a 500 after the request had run (found by tests/kv_transfer/test_pd_faults.py)."""
+    for value in (b"Infinity", b"-Infinity", b"NaN"):
+        body = b'{"prompt": "w1", "max_tokens": 1, "kv_transfer_params": {"x": [%s]}}' % value
+        response = server.post(
+            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "kv_transfer_params"
+    server.assert_alive()
+
+
 def test_body_over_the_limit_is_413(server: Server) -> None:
     huge = b'{"prompt": "' + b"w1 " * (3 << 20) + b'"}'
     response = server.post(

@@ -199,7 +199,6 @@ class Cluster:
         self, name: str, role: str, proxy: Proxy | None = None, **extra
     ) -> tuple[Server, dict]:
         """Start ``pagedkv serve`` with the P2P connector (not waiting: call ``ready``)."""
-        port = free_port()
         top = {k: extra.pop(k) for k in list(extra) if k.startswith("kv_")}
         config = {
             "kv_connector": "P2pConnector",
@@ -214,6 +213,11 @@ class Cluster:
             },
             **top,
         }
+        return self.serve_config(name, config), config
+
+    def serve_config(self, name: str, kv_transfer_config: dict) -> Server:
+        """Start ``pagedkv serve`` with any kv_transfer_config (not waiting: call ``ready``)."""
+        port = free_port()
         process, log_path = self._spawn(
             name,
             [
@@ -221,11 +225,11 @@ class Cluster:
                 "--port", str(port),
                 "--api-key", API_KEY,
                 "--served-model-name", MODEL_NAME,
-                "--kv-transfer-config", json.dumps(config),
+                "--kv-transfer-config", json.dumps(kv_transfer_config),
             ],
             env={"PAGEDKV_KV_SECRET": SECRET},
         )  # fmt: skip
-        return Server(f"http://127.0.0.1:{port}", process, log_path), config
+        return Server(f"http://127.0.0.1:{port}", process, log_path)
 
     def ready(self, *servers: Server) -> None:
         for server in servers:

@@ -7,10 +7,16 @@ The child steps its engine on a thread whenever it has work; the parent sends JS
 Test hooks (``hook=``), applied inside the child only:
   "die_mid_transfer"  P SIGKILLs itself right after its first KV message went out
   "die_after_want"    D exits 0.3 s after it sent its first WANT
+  control-plane faults, comma-separated, on the messages this engine sends:
+  "drop:<kind>@<n>"       the n-th message of that kind (1-based) is never sent
+  "delay:<kind>@<n>:<s>"  the n-th message of that kind leaves s seconds late (so later
+                          messages of other kinds overtake it)
+  (kinds as in protocol.MESSAGE_TYPES: want, xfer_begin, done, nack, cancel, heartbeat...)
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -45,10 +51,42 @@ def p2p_config(role: str, engine_id: str, port: int | None = None, **extra: Any)
     }
 
 
+def _fault_control_plane(spec: str) -> None:
+    """Drop or delay some of this engine's outgoing control messages (module docstring)."""
+    from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
+    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES
+
+    kinds = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
+    faults: dict[tuple[str, int], float | None] = {}  # (kind, n) -> delay, or None: drop
+    for fault in spec.split(","):
+        action, target, *seconds = fault.split(":")
+        kind, n = target.split("@")
+        assert kind in MESSAGE_TYPES and action in ("drop", "delay"), fault
+        faults[kind, int(n)] = float(seconds[0]) if action == "delay" else None
+    sent: collections.Counter[str] = collections.Counter()
+    original_send = ControlPlane.send
+
+    def faulty_send(self, peer, message) -> bool:
+        kind = kinds[type(message)]
+        sent[kind] += 1
+        if (kind, sent[kind]) not in faults:
+            return original_send(self, peer, message)
+        delay = faults[kind, sent[kind]]
+        if delay is None:
+            logging.getLogger("fault").warning("dropped %s to %s", message, peer)
+        else:
+            threading.Timer(delay, original_send, args=(self, peer, message)).start()
+        return True  # the sender believes it went out
+
+    ControlPlane.send = faulty_send
+
+
 def _apply_hook(hook: str) -> None:
     from pagedkv.kv_transfer.p2p import transfer, worker
 
-    if hook == "die_mid_transfer":
+    if hook.startswith(("drop:", "delay:")):
+        _fault_control_plane(hook)
+    elif hook == "die_mid_transfer":
         original_send = transfer.BlockSender.send
 
         def send_then_die(self, message):
@@ -131,6 +169,8 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
                 assert connector is not None
                 reply = {
                     "num_prompt_tokens": engine.get_stats().num_prompt_tokens,
+                    "num_preemptions": engine.get_stats().num_preemptions,
+                    "fingerprint": engine.model_fingerprint(),
                     "kv_cache_usage": engine.kv_cache_manager.usage,
                     "unfinished": engine.has_unfinished_requests(),
                     "connector": connector.get_kv_connector_stats()

@@ -214,3 +214,206 @@ def test_a_full_get_pool_nacks_and_each_policy_applies(
         assert changes(d, before) == {"num_loads_refused": 1}
     assert p.wait_settled()["connector"]["num_sends_refused"] == 2
     assert "send pool full" in p.log()
+
+
+def test_a_transfer_id_used_twice_at_once_strands_no_block(shared, reference_outputs) -> None:
+    """Two live requests with one transfer id (a client talking to P or D directly can send
+    that): once, both shared P's transfer record and the blocks of one were held forever.
+    Now the second is refused (P: its KV is not sent; D: its load fails by policy) and the
+    first is served."""
+    p, d = shared.p, shared.d["fail"]
+    prompt = random_prompt(40, seed=14)
+    tid = uuid.uuid4().hex
+    # P: the first is held for its lease (no D comes), the second is not held at all.
+    for rid in ("dup-p1", "dup-p2"):
+        p.add(rid, prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    p.wait(["dup-p1", "dup-p2"])
+    p.wait_settled(timeout_s=10)
+    assert "is already in use by request dup-p1" in p.log()
+    # D: the first load gets P's KV, the second fails at once by D's policy.
+    tid = uuid.uuid4().hex
+    for rid in ("dup-d1", "dup-d2"):
+        params = {"do_remote_prefill": True, "transfer_id": tid, **p.kv_address}
+        d.add(rid, prompt, params, max_tokens=MAX_TOKENS)
+    p.add("dup-src", prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
+    outs = d.wait(["dup-d1", "dup-d2"])
+    assert outs["dup-d1"]["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+    assert outs["dup-d2"]["finish_reason"] == "error"
+    assert "already in use by another request" in d.log()
+    d.wait_settled()
+    p.wait_settled()
+
+
+# ---------------------------------------------------------------------------- lost messages
+def test_lost_and_late_control_messages_end_each_request_and_free_every_block(
+    start_engine, shared, reference_outputs
+) -> None:
+    """D (recompute policy) loses its first WANT, sends its second 0.8 s late (overtaken
+    by a heartbeat) and loses the DONE of the third transfer. Each request still gets its
+    exact output, and P frees every block in bounded time:
+      1. lost WANT: D's next heartbeat names a transfer P never heard of -> NACK -> D
+         recomputes; P's KV waits for a WANT that never comes -> freed at its 1 s lease.
+      2. late WANT: NACKed as in 1, then the WANT arrives and P sends anyway -> D drains
+         the data it no longer wants (never stored) and says so -> P frees at once (before:
+         P's send stalled for transfer_timeout_s, 30 s, holding the blocks).
+      3. lost DONE: the KV is delivered; P never hears so -> freed at its 1 s lease."""
+    p = shared.p
+    d = start_engine(
+        "D-lossy",
+        hook="drop:want@1,delay:want@2:0.8,drop:done@2",
+        kv_transfer_config=p2p_config(
+            "kv_consumer", "D-lossy", kv_load_failure_policy="recompute", kv_load_timeout=5.0
+        ),
+    )
+    expect = {
+        "lost WANT": ({"num_loads_refused": 1}, {"num_sends_expired": 1}),
+        "late WANT": ({"num_loads_refused": 1}, {"num_sends_failed": 1}),
+        "lost DONE": ({"num_loads_delivered": 1}, {"num_sends_expired": 1}),
+    }
+    for i, (case, (d_moved, p_moved)) in enumerate(expect.items()):
+        prompt = random_prompt(30 + 10 * i, seed=15 + i)
+        d_before, p_before = d.wait_settled()["connector"], p.wait_settled()["connector"]
+        t0 = time.monotonic()
+        (out,) = disaggregate(p, d, [prompt])
+        assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0], case
+        moved = {k: v for k, v in changes(d, d_before).items() if k.startswith("num_loads")}
+        assert moved == d_moved, case
+        moved = {k: v for k, v in changes(p, p_before).items() if k.startswith("num_sends")}
+        assert moved == p_moved, case  # settled: P holds no block
+        assert time.monotonic() - t0 < 8, case  # never P's 30 s transfer timeout
+
+
+def test_a_lost_xfer_begin_fails_that_transfer_in_bounded_time_and_the_pair_recovers(
+    start_engine, shared, reference_outputs
+) -> None:
+    """P's first XFER_BEGIN is lost: D never posts its receives, so P's send times out (2 s),
+    P drops the pair group and NACKs (group lost): D recomputes that request and drops its
+    side of the group. The next transfer between the two sets up a fresh group and is
+    delivered (before, D kept the stale group and the next request was refused too)."""
+    d = shared.d["recompute"]
+    p = start_engine(
+        "P-lossy",
+        hook="drop:xfer_begin@1",
+        kv_transfer_config=p2p_config("kv_producer", "P-lossy", transfer_timeout_s=2.0),
+    )
+    d_before = d.wait_settled()["connector"]
+    prompts = [random_prompt(40, seed=17), random_prompt(40, seed=18)]
+    t0 = time.monotonic()
+    (first,) = disaggregate(p, d, prompts[:1])
+    assert time.monotonic() - t0 < 10
+    (second,) = disaggregate(p, d, prompts[1:])
+    assert [first["token_ids"], second["token_ids"]] == reference_outputs(
+        "llama", prompts, MAX_TOKENS
+    )
+    moved = changes(d, d_before)
+    assert moved["num_loads_refused"] == 1 and moved["num_loads_delivered"] == 1, moved
+    p_stats = p.wait_settled()["connector"]
+    assert p_stats["num_sends_failed"] == 1 and p_stats["num_sends_delivered"] == 1, p_stats
+
+
+# ---------------------------------------------------------------------------- silent peers
+def test_a_peer_that_never_answers_ends_the_load_at_its_deadline(shared, reference_outputs):
+    """Two "P"s that never answer: a ZMQ ROUTER that reads every message and stays silent,
+    and a TCP socket that accepts and never speaks (the ZMQ handshake never completes). The
+    loads from them end at D's 3 s deadline by each D's policy (fail: an error; recompute:
+    the exact output) and both Ds come back to rest."""
+    import socket
+
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router_port = router.bind_to_random_port("tcp://127.0.0.1")
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    prompt = random_prompt(40, seed=19)
+    try:
+        started = time.monotonic()
+        for policy, port in (("fail", router_port), ("recompute", mute.getsockname()[1])):
+            remote = {"remote_host": "127.0.0.1", "remote_port": port,
+                      "remote_engine_id": f"silent-{policy}"}  # fmt: skip
+            params = {"do_remote_prefill": True, "transfer_id": uuid.uuid4().hex, **remote}
+            shared.d[policy].add(f"silent-{policy}", prompt, params, max_tokens=MAX_TOKENS)
+        outs = {p: shared.d[p].wait([f"silent-{p}"])[f"silent-{p}"] for p in ("fail", "recompute")}
+        assert 3.0 <= time.monotonic() - started < 8
+        assert outs["fail"]["finish_reason"] == "error"
+        assert outs["recompute"]["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+        kinds = set()
+        while router.poll(100):
+            _, envelope, *_ = router.recv_multipart()
+            kinds.add(msgspec.msgpack.decode(envelope)[2])
+        assert {"hello", "want"} <= kinds  # it heard the request, and said nothing
+        for d in shared.d.values():
+            d.wait_settled()
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        mute.close()
+
+
+def test_a_preemption_storm_on_d_with_loads_in_flight(start_engine, shared, reference_outputs):
+    """12 disaggregated requests into a D whose pool holds about three of them: loads wait
+    for blocks, running requests are preempted (a loaded request recomputes like any other),
+    nothing deadlocks on blocks held by waiting loads; every output is exact and both sides
+    come back to rest."""
+    p = shared.p
+    d = start_engine(
+        "D-tiny",
+        kv_transfer_config=p2p_config("kv_consumer", "D-tiny", kv_load_timeout=20.0),
+        num_gpu_blocks_override=12,
+    )
+    prompts = [random_prompt(44 + i % 4, seed=900 + i) for i in range(12)]  # 3 blocks, then 4
+    outs = disaggregate(p, d, prompts)
+    assert [o["token_ids"] for o in outs] == reference_outputs("llama", prompts, MAX_TOKENS)
+    stats = d.wait_settled()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["connector"]["num_loads_delivered"] == len(prompts)
+    p.wait_settled()
+
+
+# ---------------------------------------------------------------------------- fuzzed messages
+def test_fuzzed_control_messages_into_live_listeners_change_no_transfer(shared, reference_outputs):
+    """Hypothesis feeds P's and D's listeners what a buggy peer (or one spoofing made-up
+    engine ids) could send: random frames, and random or well-typed structures of every
+    message kind under valid envelopes (Hellos, rendezvous keys, WANTs, heartbeats...).
+    Both listeners survive, transfers before and after are exact, both come back to rest."""
+    import zmq
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Codec
+    from tests.kv_transfer.test_fuzz_control_plane import message_frames
+
+    p, d = shared.p, shared.d["recompute"]
+    prompts = [random_prompt(36, seed=20), random_prompt(52, seed=21)]
+    expected = reference_outputs("llama", prompts, MAX_TOKENS)
+    assert disaggregate(p, d, prompts[:1])[0]["token_ids"] == expected[0]
+    rejected_before = p.stats()["connector"]["num_rejected_messages"]
+    codec = Codec(p.stats()["fingerprint"], None, 1 << 20)  # no secret on these engines
+    ctx = zmq.Context()
+    dealers = []
+    for host in (p, d):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{host.kv_transfer_config['kv_port']}")
+        dealers.append(dealer)
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(batch=st.lists(message_frames(codec, MESSAGE_TYPES), min_size=1, max_size=6))
+    def fuzz(batch) -> None:
+        for frames in batch:
+            for dealer in dealers:
+                dealer.send_multipart(frames)
+
+    try:
+        fuzz()
+        assert disaggregate(p, d, prompts[1:])[0]["token_ids"] == expected[1]
+    finally:
+        for dealer in dealers:
+            dealer.close(linger=0)
+        ctx.term()
+    assert p.stats()["connector"]["num_rejected_messages"] > rejected_before
+    for host in (p, d):
+        assert host.process.is_alive()
+        host.wait_settled()

@@ -76,6 +76,36 @@ def test_every_kind_of_bad_message_is_rejected_with_its_reason() -> None:
     assert _reason([good[0], hello[1], b""], codec(None)) == "malformed"
 
 
+BAD_HOSTS = ["foo bar", "*", "", "\x00", "a" * 254, "-lead", "évil", "h:1", 5, None]
+
+
+def test_a_bad_peer_address_is_refused_where_it_enters() -> None:
+    """Hosts ZMQ would raise on never reach a socket: not from kv_transfer_params (the load
+    fails by policy) and not from an envelope (dropped as malformed). A host of "a b" from a
+    client once killed a D's engine thread (ZMQError out of start_load_kv)."""
+    from pagedkv.kv_transfer.p2p.connector import parse_remote_load
+
+    good = {"transfer_id": "t", "remote_host": "127.0.0.1", "remote_port": 5,
+            "remote_engine_id": "P"}  # fmt: skip
+    assert parse_remote_load(good).remote == PeerAddr("P", "127.0.0.1", 5)
+    for host in ("::1", "[::1]", "p-0.pods.local", "my_service"):
+        assert parse_remote_load({**good, "remote_host": host}).error is None
+    for field, values in (
+        ("remote_host", BAD_HOSTS),
+        ("remote_port", [0, 65536, -1, True, "5", 5.0]),
+        ("remote_engine_id", ["", "e" * 257, 7]),
+    ):
+        for value in values:
+            load = parse_remote_load({**good, field: value})
+            assert load.remote is None and field in load.error, (field, value)
+    for host in BAD_HOSTS[:-2]:
+        with pytest.raises(ValueError):
+            PeerAddr("e", host, 1)  # type: ignore[arg-type]
+        sender = ["e", host, 1]
+        envelope = msgspec.msgpack.encode([PROTOCOL_VERSION, "fp", "want", sender])
+        assert _reason([envelope, codec(None).encode(WANT, ME)[1], b""], codec(None)) == "malformed"
+
+
 def test_the_mac_covers_envelope_and_payload() -> None:
     env, payload, mac = codec().encode(WANT, ME)
     other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]], [[2]]), ME)
@@ -105,6 +135,67 @@ def test_the_listener_survives_bad_input_and_keeps_serving() -> None:
         dealer.close(linger=0)
         ctx.term()
         plane.close()
+
+
+def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> None:
+    """Replies go to the address an envelope claims, and a Hello starts a pair-group setup:
+    2000 spoofed senders once opened 2000 DEALERs (the process ran out of descriptors) and
+    300 Hellos held 300 setup threads. Both are bounded now, and real peers still work."""
+    import os
+
+    from pagedkv.kv_transfer.p2p.pair_group import MAX_PENDING_SETUPS
+
+    address = PeerAddr("victim", "127.0.0.1", free_port())
+    groups: list[PairGroups] = []
+    plane = ControlPlane(
+        codec(),
+        address,
+        {
+            Heartbeat: lambda peer, m: plane.send(peer, Heartbeat()),  # answers, as P does
+            Hello: lambda peer, m: groups[0].on_hello(peer, m),
+        },
+        max_peers=16,
+    )
+    groups.append(PairGroups(address, plane.send, setup_timeout_s=1, op_timeout_s=1))
+    plane.start()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address.endpoint)
+    try:
+        for i in range(600):
+            spoofed = PeerAddr(f"spoof-{i}", "127.0.0.1", 20000 + i)
+            dealer.send_multipart(codec().encode(Heartbeat(), spoofed))
+        for i in range(3 * MAX_PENDING_SETUPS):
+            dealer.send_multipart(codec().encode(Hello(f"g{i}"), PeerAddr(f"h{i}", "h", 1)))
+        wait_until(lambda: plane.num_evicted_peers >= 600 - 16)
+        assert len(plane._dealers) <= 16
+        assert groups[0].num_pending <= MAX_PENDING_SETUPS
+        # ~4 descriptors per pending setup; closed DEALERs let theirs go after their linger.
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) - fds_before < 200)
+        # A real message still gets through and is answered.
+        reply_port = free_port()
+        inbox = ctx.socket(zmq.ROUTER)
+        inbox.bind(f"tcp://127.0.0.1:{reply_port}")
+        dealer.send_multipart(
+            codec().encode(Heartbeat(), PeerAddr("real", "127.0.0.1", reply_port))
+        )
+        assert inbox.poll(5000), "no answer to a real peer"
+        _, *frames = inbox.recv_multipart()
+        assert isinstance(codec().decode(frames)[1], Heartbeat)
+        inbox.close(linger=0)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        groups[0].close()
+        plane.close()
+
+
+def wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------- leases, pool
@@ -141,6 +232,10 @@ def test_the_pair_store_waits_with_a_timeout_and_can_be_abandoned() -> None:
     threading.Timer(0.05, store.deliver, args=("theirs", b"2")).start()
     store.wait(["theirs"])
     assert store.check(["mine", "theirs"])
+    # A peer can't grow the mirror without bound: 64 keys, 16 KiB values.
+    assert not store.deliver("big", b"x" * ((16 << 10) + 1))
+    assert all(store.deliver(f"k{i}", b"v") for i in range(62))
+    assert not store.deliver("one-too-many", b"v")
     store.abort("shutdown")
     with pytest.raises(RuntimeError, match="abandoned"):
         store.get("never")
@@ -272,3 +367,16 @@ def test_extra_config_is_validated_naming_the_key() -> None:
             config(**bad)
     with pytest.raises(ValueError, match="kv_port"):
         P2pConfig.from_kv_transfer_config(KVTransferConfig("P2pConnector", "kv_both", kv_port=0))
+
+
+def test_listening_beyond_loopback_without_a_secret_is_warned_about(caplog) -> None:
+    import logging
+
+    from pagedkv.kv_transfer.p2p.protocol import warn_if_open
+
+    log = logging.getLogger("test")
+    for host, secret in (("127.0.0.1", None), ("localhost", None), ("10.1.2.3", b"s")):
+        warn_if_open(log, "the plane", host, secret)
+    assert not caplog.records
+    warn_if_open(log, "the plane", "0.0.0.0", None)
+    assert "without a shared secret" in caplog.text

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.kv_transfer.conftest import MAX_TOKENS, Cluster, complete, wait_all_blocks_free
+from tests.load_check import short_load
 from tests.tiny_models import random_prompt
 
 
@@ -35,3 +36,13 @@ def test_1p1d_greedy_equals_a_single_instance(one_pair, reference_text) -> None:
     wait_all_blocks_free({"P": one_pair.p, "D": one_pair.d})
     delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
     assert one_pair.p.metrics()[delivered] == len(prompts)
+
+
+def test_1p1d_under_load_answers_each_request_once_and_comes_back_to_rest(one_pair) -> None:
+    """4 streaming clients through the proxy for 3 s: every request answered exactly once,
+    every transfer delivered, and afterwards neither instance runs a request or holds a block
+    (P's held blocks go when D reports its transfer done)."""
+    delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
+    before = one_pair.p.metrics()[delivered]
+    _, results = short_load([one_pair.proxy.base_url], [one_pair.p.base_url, one_pair.d.base_url])
+    assert one_pair.p.metrics()[delivered] - before == len(results)

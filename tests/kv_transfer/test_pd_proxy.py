@@ -31,6 +31,7 @@ from tests.kv_transfer.conftest import (
     total,
     wait_all_blocks_free,
 )
+from tests.load_check import short_load
 from tests.tiny_models import random_prompt
 
 PREFILLERS = {"P-put": "PUT", "P-async": "PUT_ASYNC", "P-get": "GET"}
@@ -94,6 +95,16 @@ def test_chat_and_streaming_through_the_proxy_match_a_direct_request(xpyd) -> No
     wait_all_blocks_free(xpyd.servers)
 
 
+def test_xpyd_under_load_answers_each_request_once_and_comes_back_to_rest(xpyd) -> None:
+    """6 streaming clients through the proxy for 4 s over 3 P (one per send type) and 2 D."""
+    servers = xpyd.servers
+    delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
+    before = total(servers, PREFILLERS, delivered)
+    urls = [server.base_url for server in servers.values()]
+    _, results = short_load([xpyd.proxy.base_url], urls, seconds=4, clients=6)
+    assert total(servers, PREFILLERS, delivered) - before == len(results)
+
+
 def test_hostile_control_messages_are_rejected_logged_and_survived(xpyd) -> None:
     name = "P-async"
     server, config = xpyd.servers[name], xpyd.configs[name]
@@ -130,8 +141,9 @@ def test_hostile_control_messages_are_rejected_logged_and_survived(xpyd) -> None
     assert server.wait_for_metrics(lambda m: m[delivered] > before)[delivered] == before + 1
 
 
-def _listening_addresses(pid: int) -> set[str]:
-    """Local addresses of the TCP sockets process ``pid`` listens on (from /proc)."""
+def _listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the TCP sockets process ``pid`` listens on: /proc/net/tcp{,6}
+    joined with the socket inodes among the process's descriptors."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -147,18 +159,27 @@ def _listening_addresses(pid: int) -> set[str]:
                 fields = line.split()
                 if fields[3] != "0A" or fields[9] not in inodes:  # 0A = LISTEN
                     continue
-                raw = bytes.fromhex(fields[1].split(":")[0])
+                raw_address, raw_port = fields[1].split(":")
+                raw = bytes.fromhex(raw_address)
                 # /proc prints each 32-bit word in host (little-endian) order.
                 words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                found.add(socket.inet_ntop(family, words))
+                found.add((socket.inet_ntop(family, words), int(raw_port, 16)))
     return found
 
 
 def test_nothing_listens_beyond_loopback(xpyd) -> None:
-    """ROUTER, gloo pair listeners and HTTP alike bind 127.0.0.1 (no TCPStore on ``*``)."""
-    for name, server in xpyd.servers.items():
-        addresses = _listening_addresses(server.process.pid)
-        assert addresses == {"127.0.0.1"}, f"{name} listens on {addresses}"
+    """Every listening socket of every process (proxy: HTTP + registry; instances: HTTP,
+    ROUTER and gloo pair listeners) binds 127.0.0.1: no TCPStore or anything else on ``*``."""
+    processes = {name: server.process for name, server in xpyd.servers.items()}
+    processes["proxy"] = xpyd.proxy.process
+    for name, process in processes.items():
+        sockets = _listening_sockets(process.pid)
+        assert {address for address, _ in sockets} == {"127.0.0.1"}, f"{name}: {sockets}"
+        ports = {port for _, port in sockets}
+        if name == "proxy":
+            assert xpyd.proxy.registry_port in ports and len(ports) >= 2, ports
+        else:
+            assert xpyd.configs[name]["kv_port"] in ports and len(ports) >= 2, ports
 
 
 def test_dead_instances_are_retried_around_and_drop_out(xpyd, reference_text) -> None:

@@ -4,6 +4,7 @@ retries before the first byte, 4xx passed through, an error event after it, no h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -28,7 +29,9 @@ def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
-        seen.append(body)
+        headers = request.headers
+        seen.append({**body, "x-request-id": headers.get("x-request-id"),
+                     "authorization": headers.get("authorization")})  # fmt: skip
         if behaviour == "error500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if behaviour == "error400":
@@ -94,10 +97,11 @@ def proxy_with() -> Iterator:
     """``proxy_with({name: (role, behaviour)})`` -> (TestClient of the proxy, requests seen)."""
     made = []
 
-    def make(instances: dict[str, tuple[str, str]]):
+    def make(instances: dict[str, tuple[str, str]], **config_changes):
         registry_port = free_port()
         registry = InstanceRegistry("127.0.0.1", registry_port, None, timeout_s=5)
         config = ProxyConfig(request_timeout_s=1.0, connect_timeout_s=1.0, max_attempts=3)
+        config = dataclasses.replace(config, **config_changes)
         app = build_proxy_app(registry, Router(registry), config)
         from fastapi.testclient import TestClient
 
@@ -127,9 +131,11 @@ def test_a_failing_prefill_is_retried_on_another_pair_with_a_fresh_transfer(prox
         {"p-bad": ("kv_producer", "error500"), "p-good": ("kv_producer", "ok"),
          "d": ("kv_consumer", "ok")}
     )  # fmt: skip
-    for _ in range(2):  # round robin (a retry takes a turn): both start on the bad P
-        r = client.post("/v1/completions", json=BODY)
+    for i in range(2):  # round robin (a retry takes a turn): both start on the bad P
+        r = client.post("/v1/completions", json=BODY, headers={"X-Request-Id": f"c{i}"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " w1 w2"
+    # D got the client's request id (a retry's suffixed: never the aborted attempt's id).
+    assert [b["x-request-id"] for b in seen["d"]] == ["c0", "c0-retry1", "c1", "c1-retry1"]
     assert (len(seen["p-bad"]), len(seen["p-good"]), len(seen["d"])) == (2, 2, 4)
     # P got max_tokens=1 and D's KV address; D got the original request and P's.
     for p_body in seen["p-good"] + seen["p-bad"]:
@@ -169,3 +175,17 @@ def test_a_decode_dying_mid_stream_ends_the_stream_with_an_error_event(proxy_wit
     assert json.loads(events[0][6:])["choices"][0]["text"] == " w1"
     assert "failed mid-stream" in json.loads(events[1][6:])["error"]["message"]
     assert events[-1] == "data: [DONE]"
+
+
+def test_clients_authenticate_to_the_proxy_and_the_proxy_to_the_instances(proxy_with):
+    """Two keys: the client's (checked by the proxy, never forwarded) and the upstream one
+    (sent to P and D, which check it: in the HTTP clusters every instance requires it)."""
+    client, seen = proxy_with(
+        {"p": ("kv_producer", "ok"), "d": ("kv_consumer", "ok")},
+        api_key="client-key",
+        upstream_api_key="upstream-key",
+    )
+    assert client.post("/v1/completions", json=BODY).status_code == 401
+    r = client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer client-key"})
+    assert r.status_code == 200
+    assert [b["authorization"] for b in seen["p"] + seen["d"]] == ["Bearer upstream-key"] * 2

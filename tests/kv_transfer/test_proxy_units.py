@@ -20,8 +20,10 @@ from pagedkv.entrypoints.proxy.registry import (
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 from tests.kv_transfer.engine_host import free_port
+from tests.kv_transfer.wire import raw_frames
 
 SECRET = b"registry-secret"
+ME = PeerAddr("d0", "127.0.0.1", 4242)
 
 
 def info(role: str, fingerprint: str = "fp", running: int = 0) -> Register:
@@ -130,6 +132,56 @@ def test_instances_register_and_drop_out_when_heartbeats_stop() -> None:
         registry.close()
 
 
+def test_registrations_the_proxy_could_not_use_are_refused() -> None:
+    """A registered URL httpx can't parse made every request routed there a 500; a wrong
+    role or key never pairs. All are refused at the registry: the proxy answers 503."""
+    port = free_port()
+    registry = InstanceRegistry("127.0.0.1", port, SECRET, timeout_s=5)
+    registry.start()
+    codec = registry_codec(SECRET)
+    good = {"role": "kv_consumer", "http_url": "http://127.0.0.1:1", "model": "m",
+            "fingerprint": "fp"}  # fmt: skip
+    bad = [
+        {**good, "http_url": "http://h:x"},  # httpx.InvalidURL
+        {**good, "http_url": "http://a\nb"},
+        {**good, "http_url": "ftp://h"},
+        {**good, "http_url": "/relative"},
+        {**good, "role": "kv_everything"},
+        {**good, "num_running": -1},
+    ]
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for i, payload in enumerate(bad):
+            dealer.send_multipart(raw_frames(codec, "register", payload, (f"d{i}", "h", 1)))
+        wrong_key = registry_codec(b"not the secret").encode(info("kv_consumer"), ME)
+        dealer.send_multipart(wrong_key)
+        dealer.send_multipart(raw_frames(codec, "register", good, ("p", "h", 1)))
+        wait_until(lambda: registry.live())
+        wait_until(lambda: registry.rejected.get("malformed", 0) == len(bad))
+        assert registry.rejected.get("unauthenticated") == 1
+        assert [i.engine_id for i in registry.live()] == ["p"]
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        registry.close()
+
+
+def test_the_registry_tracks_a_bounded_number_of_instances(monkeypatch) -> None:
+    from pagedkv.entrypoints.proxy import registry as registry_module
+
+    monkeypatch.setattr(registry_module, "MAX_INSTANCES", 3)
+    registry = InstanceRegistry("127.0.0.1", free_port(), None, timeout_s=0.3)
+    for i in range(5):
+        registry._on_register(PeerAddr(f"d{i}", "127.0.0.1", 1), info("kv_consumer"))
+    assert len(registry.live()) == 3 and registry.num_refused == 2
+    time.sleep(0.4)  # the three go stale: a newcomer takes a place
+    registry._on_register(PeerAddr("late", "127.0.0.1", 1), info("kv_consumer"))
+    assert [i.engine_id for i in registry.live()] == ["late"]
+    registry.close()
+
+
 # ---------------------------------------------------------------------------- the app alone
 @pytest.fixture
 def lone_proxy():
@@ -151,6 +203,18 @@ def test_no_instance_is_a_clear_503(lone_proxy) -> None:
 def test_the_proxy_checks_its_api_key_and_the_body(lone_proxy) -> None:
     r = lone_proxy.post("/v1/completions", json={"prompt": "w1"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    for wrong in ("Bearer K", "Bearer k ", "k", "Basic k"):
+        r = lone_proxy.post(
+            "/v1/completions", json={"prompt": "w1"}, headers={"Authorization": wrong}
+        )
+        assert r.status_code == 401, wrong
+    assert lone_proxy.get("/instances").status_code == 401
+    assert lone_proxy.get("/v1/models").status_code == 401
+    from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
+
+    huge = b'{"prompt": "' + b"w1 " * (DEFAULT_MAX_BODY_BYTES // 3 + 1) + b'"}'
+    r = lone_proxy.post("/v1/completions", content=huge, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
     auth = {"Authorization": "Bearer k", "Content-Type": "application/json"}
     r = lone_proxy.post("/v1/chat/completions", content=b"{not json", headers=auth)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

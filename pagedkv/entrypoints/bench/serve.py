@@ -1,24 +1,35 @@
 """``pagedkv bench serve``: a streaming load generator against an OpenAI-compatible server.
 
 Requests go to ``/v1/completions`` as token ids (exact input lengths), with ``ignore_eos`` (exact
-output lengths) and ``stream_options.include_usage``. Arrivals are Poisson at
-``--request-rate`` (inf: all at once), optionally capped at ``--max-concurrency`` in flight.
+output lengths) and ``stream_options.include_usage``. Two shapes of load:
+
+- a fixed set of ``--num-prompts`` requests, Poisson arrivals at ``--request-rate`` (inf: all
+  at once), optionally capped at ``--max-concurrency`` in flight;
+- ``--duration S``: ``--max-concurrency N`` clients, each sending its next request as soon as
+  its last one ended, for S seconds (the prompts are reused in turn).
+
+Several ``--base-url``s share the requests in turn (instances behind no proxy).
+``--check-metrics URL...`` then checks that every listed instance comes back to rest: no
+request running or waiting and no KV block in use, within ``--settle-timeout``.
 
 Each request carries ``X-Request-Id: <run id>-<index>``; ``run_load`` returns exactly one
 RequestResult per request, and ``ok`` is only set for a request answered exactly once and
-completely, so another test can use it as a load generator that checks nothing was lost or
-duplicated: ``assert all(r.ok for r in await run_load(...))``.
+completely (a ``finish_reason`` of ``"error"`` is a failure), so another test can use it as a
+load generator that checks nothing was lost or duplicated:
+``assert all(r.ok for r in await run_load(...))``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
@@ -32,12 +43,16 @@ from pagedkv.entrypoints.bench.results import (
     save_json,
     summarize,
 )
+from pagedkv.entrypoints.bench.settle import wait_settled
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument(
-        "--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)"
+        "--base-url",
+        nargs="+",
+        default=["http://127.0.0.1:8000"],
+        help="server URL; several share the requests in turn (default: %(default)s)",
     )
     g.add_argument("--model", default=None, help="model name (default: the server's first)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
@@ -53,6 +68,29 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="requests per second, Poisson arrivals (default: inf = all at once)",
     )
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="run --max-concurrency clients back to back for S seconds instead of sending "
+        "--num-prompts requests once",
+    )
+    g = parser.add_argument_group("checks")
+    g.add_argument(
+        "--check-metrics",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="afterwards, each of these instances must show no running or waiting request and "
+        "zero KV cache usage in /metrics (exit 1 otherwise)",
+    )
+    g.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=30.0,
+        help="seconds the instances get to come back to rest (default: %(default)s)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: 0)")
     g.add_argument(
         "--vocab-size",
@@ -64,6 +102,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--result-json", default=None, metavar="PATH", help="write results as JSON")
     g.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of the latencies")
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _is_answer_to(chunk_id: str, request_id: str) -> bool:
+    """Chunk ids end with the request's ``X-Request-Id`` (behind ``pagedkv proxy``, a retried
+    request's id gets a ``-retry<n>`` suffix)."""
+    head, _, retry = chunk_id.rpartition("-retry")
+    return chunk_id.endswith(request_id) or (retry.isdigit() and head.endswith(request_id))
 
 
 async def send_request(
@@ -112,7 +157,7 @@ async def send_request(
                 if "error" in chunk:
                     result.error = f"stream error: {chunk['error'].get('message')}"
                     return result
-                if not chunk.get("id", "").endswith(request_id):
+                if not _is_answer_to(chunk.get("id", ""), request_id):
                     result.error = f"chunk of another request: {chunk.get('id')!r}"
                     return result
                 for choice in chunk["choices"]:
@@ -131,6 +176,9 @@ async def send_request(
             f"usage {'present' if usage else 'missing'}"
         )
         return result
+    if result.finish_reason == "error":
+        result.error = "finished with finish_reason 'error' (the server's log says why)"
+        return result
     result.ok = True
     result.ttft = token_times[0] - start
     result.itl = [b - a for a, b in zip(token_times, token_times[1:])]
@@ -142,46 +190,74 @@ async def send_request(
 
 
 async def run_load(
-    base_url: str,
+    base_url: str | Sequence[str],
     model: str,
     requests: list[BenchRequest],
     *,
     api_key: str | None = None,
     request_rate: float = math.inf,
     max_concurrency: int | None = None,
+    duration: float | None = None,
     seed: int = 0,
     timeout: float = 600.0,
     progress: bool = False,
 ) -> tuple[list[RequestResult], float]:
-    """Send every request once; returns ``(results in request order, duration in seconds)``."""
+    """Send every request once, or (``duration``) keep ``max_concurrency`` clients busy for
+    that many seconds, reusing ``requests`` in turn. Request ``i`` goes to base URL
+    ``i % len(base_urls)``. Returns ``(results in request order, duration in seconds)``."""
+    base_urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not base_urls:
+        raise ValueError("run_load needs at least one base URL")
+    if duration is not None and not (max_concurrency and max_concurrency > 0):
+        raise ValueError("a run for a duration needs max_concurrency >= 1 (the clients)")
     rng = np.random.default_rng(seed)
     run_id = uuid.uuid4().hex[:8]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    bar = tqdm(total=len(requests), disable=not progress, desc="requests")
+    bar = tqdm(total=None if duration else len(requests), disable=not progress, desc="requests")
     t0 = time.perf_counter()
 
-    async def one(client: httpx.AsyncClient, index: int, request: BenchRequest) -> RequestResult:
+    async def send(client: httpx.AsyncClient, index: int) -> RequestResult:
+        request = requests[index % len(requests)]
+        url = base_urls[index % len(base_urls)]
         request_id = f"bench-{run_id}-{index}"
-        if limit is None:
-            result = await send_request(client, base_url, model, request, index, request_id, t0)
-        else:
-            async with limit:
-                result = await send_request(client, base_url, model, request, index, request_id, t0)
+        result = await send_request(client, url, model, request, index, request_id, t0)
         bar.update(1)
         return result
 
+    async def one(client: httpx.AsyncClient, index: int) -> RequestResult:
+        if limit is None:
+            return await send(client, index)
+        async with limit:
+            return await send(client, index)
+
+    async def closed_loop_client(
+        client: httpx.AsyncClient, indices: itertools.count, until: float
+    ) -> list[RequestResult]:
+        done = []
+        while time.perf_counter() < until:
+            done.append(await send(client, next(indices)))
+        return done
+
     connections = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=connections) as client:
-        tasks = []
-        for index, request in enumerate(requests):
-            tasks.append(asyncio.create_task(one(client, index, request)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.exponential(1.0 / request_rate))
-        results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
+        if duration is not None:
+            indices, until = itertools.count(), t0 + duration
+            assert max_concurrency is not None
+            per_client = await asyncio.gather(
+                *(closed_loop_client(client, indices, until) for _ in range(max_concurrency))
+            )
+            results = sorted((r for rs in per_client for r in rs), key=lambda r: r.index)
+        else:
+            tasks = []
+            for index in range(len(requests)):
+                tasks.append(asyncio.create_task(one(client, index)))
+                if math.isfinite(request_rate):
+                    await asyncio.sleep(rng.exponential(1.0 / request_rate))
+            results = list(await asyncio.gather(*tasks))
+    elapsed = time.perf_counter() - t0
     bar.close()
-    return list(results), duration
+    return results, elapsed
 
 
 def _server_model(base_url: str, api_key: str | None, timeout: float) -> dict:
@@ -192,11 +268,13 @@ def _server_model(base_url: str, api_key: str | None, timeout: float) -> dict:
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
-    base_url = args.base_url.rstrip("/")
+    base_urls = [url.rstrip("/") for url in args.base_url]
+    if args.duration is not None and not (args.max_concurrency and args.duration > 0):
+        sys.exit("pagedkv bench serve: --duration S needs S > 0 and --max-concurrency N (clients)")
     try:
-        card = _server_model(base_url, args.api_key, args.timeout)
+        card = _server_model(base_urls[0], args.api_key, args.timeout)
     except (httpx.HTTPError, KeyError, IndexError) as e:
-        sys.exit(f"pagedkv bench serve: cannot list the models of {base_url}: {e}")
+        sys.exit(f"pagedkv bench serve: cannot list the models of {base_urls[0]}: {e}")
     model = args.model or card["id"]
     prefix_len = args.prefix_len if args.dataset == "shared-prefix" else 0
     max_model_len = card.get("max_model_len")
@@ -220,12 +298,13 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         sys.exit(f"pagedkv bench serve: {e}")
     results, duration = asyncio.run(
         run_load(
-            base_url,
+            base_urls,
             model,
             requests,
             api_key=args.api_key,
             request_rate=args.request_rate,
             max_concurrency=args.max_concurrency,
+            duration=args.duration,
             seed=args.seed,
             timeout=args.timeout,
             progress=not args.disable_tqdm,
@@ -233,6 +312,14 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     )
     summary = summarize(results, duration)
     print(format_summary(summary))
+    at_rest = True
+    if args.check_metrics:
+        states = wait_settled(args.check_metrics, args.settle_timeout)
+        summary["instances"] = {s.base_url: s.settled for s in states}
+        at_rest = all(s.settled for s in states)
+        print(f"Instances after {args.settle_timeout:g} s at most:")
+        for state in states:
+            print(f"  {state.describe()}")
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
     config.update(model=model, request_rate=str(args.request_rate))
     if args.result_json:
@@ -242,5 +329,5 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             plot_results(results, summary, args.plot)
         except ImportError:
             print("--plot needs matplotlib: pip install 'pagedkv[bench]'", file=sys.stderr)
-    if summary["failed"]:
+    if summary["failed"] or not at_rest:
         sys.exit(1)

@@ -6,12 +6,24 @@ SamplingParams, whose ValueErrors become 400 responses naming the field.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
 # ---------------------------------------------------------------------------- requests
+
+
+def _json_compliant(value: Any) -> bool:
+    """No NaN or infinite float anywhere in ``value`` (parsed JSON: bounded depth)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_json_compliant(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_json_compliant(v) for v in value)
+    return True
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +57,15 @@ class SamplingRequest(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _json_compliant(cls, params):
+        """The response may echo these back: a value JSON cannot carry (NaN, Infinity, which
+        Python's parser lets in) is refused here, not met as a 500 once the request ran."""
+        if params is not None and not _json_compliant(params):
+            raise ValueError("must not contain NaN or Infinity")
+        return params
 
     @property
     def include_usage(self) -> bool:

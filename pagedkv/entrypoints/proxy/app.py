@@ -8,6 +8,10 @@ Per request (concurrent dispatch: no extra round trip before D starts)::
     D  <- the request as sent,   kv_transfer_params={do_remote_prefill, transfer_id,
           remote_engine_id/host/port = P's KV address}                 (its answer is relayed)
 
+Request ids. D gets the client's ``X-Request-Id`` (so the answer's id is the one the client
+chose, as from a single instance), suffixed ``-retry<n>`` on a retry so it never meets the
+aborted first attempt's id on the same D; without one, and for P, the transfer id.
+
 Failures. Every upstream call has a connect timeout and a read timeout. Until the first byte
 of D's answer reaches the client, a failed P or D (connection error, 5xx, timeout) costs only
 a retry on another pair with a fresh transfer id (the other half is cancelled, so its engine
@@ -114,14 +118,16 @@ class PDProxy:
         if not isinstance(body, dict):
             raise OpenAIError("request body must be a JSON object")
         stream = bool(body.get("stream"))
+        client_id = raw_request.headers.get("X-Request-Id")
         failed: set[str] = set()
         reasons: list[str] = []
-        for _ in range(self.config.max_attempts):
+        for attempt in range(self.config.max_attempts):
             pair = self.router.pick_pair(failed)
             if pair is None:
                 break
+            decode_id = client_id if attempt == 0 else f"{client_id}-retry{attempt}"
             try:
-                return await self._attempt(path, body, *pair, stream)
+                return await self._attempt(path, body, *pair, stream, client_id and decode_id)
             except UpstreamError as e:
                 if e.client_error is not None:
                     return e.client_error
@@ -136,10 +142,11 @@ class PDProxy:
         raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def _attempt(
-        self, path: str, body: dict, p: Instance, d: Instance, stream: bool
+        self, path: str, body: dict, p: Instance, d: Instance, stream: bool, decode_id: str | None
     ) -> Response:
         transfer_id = uuid.uuid4().hex
         headers = self._headers(transfer_id)
+        decode_headers = self._headers(decode_id or transfer_id)
         prefill_body = {
             **body,
             "max_tokens": 1,
@@ -166,7 +173,9 @@ class PDProxy:
             },
         }
         p_task = asyncio.create_task(self._prefill(p, path, prefill_body, headers))
-        d_task = asyncio.create_task(self._open_decode(d, path, decode_body, headers, stream))
+        d_task = asyncio.create_task(
+            self._open_decode(d, path, decode_body, decode_headers, stream)
+        )
         await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if not d_task.done() and p_task.exception() is not None:
             d_task.cancel()  # D would wait for KV that never comes: stop it, retry elsewhere

@@ -17,23 +17,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import msgspec
 import zmq
 
+from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
-from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr
+from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, warn_if_open
 
 logger = logging.getLogger(__name__)
 
 #: The registry's namespace in the envelope (the KV control plane uses the model fingerprint).
 REGISTRY_NAMESPACE = "pagedkv-registry-v1"
 MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
+#: Instances the proxy tracks at once: registrations from more engine ids are refused.
+MAX_INSTANCES = 4096
 PREFILL_ROLES = ("kv_producer", "kv_both")
 DECODE_ROLES = ("kv_consumer", "kv_both")
 
 
 class Register(msgspec.Struct, frozen=True):
-    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender."""
+    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender.
+    Checked on construction and decoding (a bad one is a ``malformed`` message): the proxy
+    builds request URLs from ``http_url``, and httpx raises on a malformed one."""
 
     role: str  # kv_role: kv_producer | kv_consumer | kv_both
     http_url: str
@@ -42,6 +48,18 @@ class Register(msgspec.Struct, frozen=True):
     fingerprint: str
     num_running: int = 0
     num_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in KV_ROLES:
+            raise ValueError(f"role must be one of {KV_ROLES}, got {self.role!r:.40}")
+        try:
+            url = httpx.URL(self.http_url)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"http_url: {e}") from None
+        if url.scheme not in ("http", "https") or not url.host or url.query or url.fragment:
+            raise ValueError(f"http_url must be http(s)://host[:port][/path], got {url!s:.80}")
+        if self.num_running < 0 or self.num_waiting < 0:
+            raise ValueError("num_running and num_waiting must be >= 0")
 
 
 class Deregister(msgspec.Struct, frozen=True):
@@ -96,6 +114,9 @@ class InstanceRegistry:
         self.timeout_s = timeout_s
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
+        #: Registrations refused because MAX_INSTANCES instances were already tracked.
+        self.num_refused = 0
+        warn_if_open(logger, "the proxy's registry", host, secret)
         self._plane = ControlPlane(
             registry_codec(secret),
             PeerAddr("proxy", host, port),
@@ -116,6 +137,11 @@ class InstanceRegistry:
     def _on_register(self, sender: PeerAddr, info: Register) -> None:
         with self._lock:
             known = self._instances.get(sender.engine_id)
+            if known is None and len(self._instances) >= MAX_INSTANCES:
+                self._drop_stale_locked(time.monotonic())
+                if len(self._instances) >= MAX_INSTANCES:
+                    self.num_refused += 1
+                    return
             self._instances[sender.engine_id] = Instance(sender, info, time.monotonic())
         if known is None or known.info.http_url != info.http_url:
             logger.info("registered %s %s at %s", info.role, sender.engine_id, info.http_url)
@@ -129,13 +155,17 @@ class InstanceRegistry:
         if instance is not None:
             logger.warning("dropped %s (%s): %s", engine_id, instance.info.http_url, reason)
 
+    def _drop_stale_locked(self, now: float) -> list[Instance]:
+        stale = [i for i in self._instances.values() if now - i.last_seen > self.timeout_s]
+        for instance in stale:
+            del self._instances[instance.engine_id]
+        return stale
+
     def live(self) -> list[Instance]:
         """Instances heard from within ``timeout_s`` (the others are dropped, with a log line)."""
         now = time.monotonic()
         with self._lock:
-            stale = [i for i in self._instances.values() if now - i.last_seen > self.timeout_s]
-            for instance in stale:
-                del self._instances[instance.engine_id]
+            stale = self._drop_stale_locked(now)
             live = list(self._instances.values())
         for instance in stale:
             logger.warning(

@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.kv_transfer.p2p.protocol import MAX_ENGINE_ID_LEN, PeerAddr, check_host
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
     from pagedkv.engine.request import Request
     from pagedkv.engine.scheduler_output import SchedulerOutput
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+    from pagedkv.worker.model_runner_output import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +71,18 @@ def remote_peer(params: dict[str, Any]) -> PeerAddr:
         params.get("remote_port"),
         params.get("remote_engine_id"),
     )
-    if not isinstance(host, str) or not host:
-        raise ValueError("kv_transfer_params.remote_host must be a host name or address")
-    if not isinstance(port, int) or not 0 < port < 65536:
+    try:
+        check_host(host)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError("kv_transfer_params.remote_host must be a host name or address") from None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError("kv_transfer_params.remote_port must be a port number")
-    if not isinstance(engine_id, str) or not engine_id:
-        raise ValueError("kv_transfer_params.remote_engine_id must be a non-empty string")
-    return PeerAddr(engine_id, host, port)
+    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN:
+        raise ValueError(
+            f"kv_transfer_params.remote_engine_id must be a string of 1 to {MAX_ENGINE_ID_LEN} "
+            "characters"
+        )
+    return PeerAddr(engine_id, host, port)  # type: ignore[arg-type]
 
 
 class RemoteLoad(NamedTuple):
@@ -165,6 +171,14 @@ class P2pConnector(KVConnectorBase):
         self._producing: dict[str, _Producing] = {}
         #: D: requests whose load was issued (never load twice) -> their transfer.
         self._loading: dict[str, RemoteLoad] = {}
+        #: Transfer ids in use -> the one request using each: D from its load until the
+        #: request ends; P from admission until its blocks are released. A second request
+        #: with a live id is refused (its load fails, its KV is not sent): both on one
+        #: transfer record, one of them would hold its blocks forever.
+        self._loading_tids: dict[str, str] = {}
+        self._sending_tids: dict[str, str] = {}
+        #: P: requests whose blocks are held -> their transfer id (until finished_sending).
+        self._held: dict[str, str] = {}
 
     # ------------------------------------------------------------------ D
     def _remote_load(self, request: Request) -> RemoteLoad | None:
@@ -188,6 +202,11 @@ class P2pConnector(KVConnectorBase):
             return
         load = self._remote_load(request)
         assert load is not None
+        if load.remote is not None:
+            owner = self._loading_tids.setdefault(load.transfer_id, request.request_id)
+            if owner != request.request_id:
+                why = f"transfer id {load.transfer_id!r} is already in use by another request"
+                load = RemoteLoad(load.transfer_id, None, why)
         self._loading[request.request_id] = load
         num_prompt = request.num_prompt_tokens
         first_block = (num_prompt - num_external_tokens) // self.block_size
@@ -210,6 +229,12 @@ class P2pConnector(KVConnectorBase):
             )
         )
 
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in output.finished_sending:  # P: the blocks are released
+            transfer_id = self._held.pop(request_id, None)
+            if transfer_id is not None and self._sending_tids.get(transfer_id) == request_id:
+                del self._sending_tids[transfer_id]
+
     def cancel_load(self, request: Request) -> None:
         self._meta.cancels.append(request.request_id)
 
@@ -227,6 +252,16 @@ class P2pConnector(KVConnectorBase):
             transfer_id = transfer_id_of(params)
         except ValueError as e:
             logger.warning("request %s: %s; its KV will not be sent", request.request_id, e)
+            return
+        owner = self._sending_tids.setdefault(transfer_id, request.request_id)
+        if owner != request.request_id:
+            logger.warning(
+                "request %s: transfer id %r is already in use by request %s; its KV will not "
+                "be sent",
+                request.request_id,
+                transfer_id,
+                owner,
+            )
             return
         expected = params.get("remote_engine_id")
         self._producing[request.request_id] = _Producing(
@@ -279,10 +314,13 @@ class P2pConnector(KVConnectorBase):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         request_id = request.request_id
-        if self._loading.pop(request_id, None) is None:
+        loaded = self._loading.pop(request_id, None)
+        if loaded is None:
             load = self._remote_load(request)
             if load is not None and load.remote is not None:
                 self._meta.abandons.append(load)  # ended before its load started: P may free
+        elif self._loading_tids.get(loaded.transfer_id) == request_id:
+            del self._loading_tids[loaded.transfer_id]
         producing = self._producing.pop(request_id, None)
         params = request.kv_transfer_params or {}
         if not (self.config.is_kv_producer and params.get("do_remote_decode")):
@@ -291,10 +329,15 @@ class P2pConnector(KVConnectorBase):
             transfer_id = transfer_id_of(params)
         except ValueError:
             return False, None
+        owner = self._sending_tids.get(transfer_id)
+        if owner is not None and owner != request_id:
+            return False, None  # refused at admission: the live transfer is another request's
         complete = request.num_computed_tokens >= request.num_prompt_tokens
         if producing is None or not complete or request.status.finish_reason not in _SENDABLE:
+            self._sending_tids.pop(transfer_id, None)
             self._meta.releases.append(transfer_id)
             return False, None
+        self._held[request_id] = transfer_id
         self._meta.holds.append(
             SendSpec(
                 request_id,

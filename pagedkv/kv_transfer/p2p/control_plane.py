@@ -5,6 +5,10 @@ to the address in the envelope (``sender``). The ROUTER binds ``tcp://{kv_ip}:{k
 never ``*``. The listener survives any input: a message that fails ``Codec.decode`` is counted
 and logged; a handler that raises is logged; the loop goes on. Handlers run on the listener
 thread and must not block (no gloo, no long waits): they update state and hand work off.
+
+The sender's address is whatever the (authenticated) envelope says, so the DEALERs are a
+bounded LRU (``max_peers``): messages from many claimed addresses cost at most that many
+sockets, never every file descriptor of the process.
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ _POLL_MS = 100
 #: ZMQ itself drops (and disconnects) frames past this multiple of the codec's limit; smaller
 #: oversized frames reach the codec, which rejects them with a log line.
 _TRANSPORT_LIMIT_FACTOR = 4
+#: Default bound on DEALER sockets (peers talked to recently); real deployments have tens.
+MAX_PEERS = 256
+#: An evicted DEALER still gets this long to flush what was queued on it.
+_EVICTED_LINGER_MS = 200
 
 
 class _Dealer:
@@ -45,10 +53,12 @@ class ControlPlane:
         address: PeerAddr,
         handlers: dict[type[msgspec.Struct], Handler],
         name: str = "p2p",
+        max_peers: int = MAX_PEERS,
     ) -> None:
         self.codec = codec
         self.address = address
         self.name = name
+        self.max_peers = max_peers
         self._handlers = handlers
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -57,11 +67,14 @@ class ControlPlane:
             zmq.MAXMSGSIZE, codec.max_message_bytes * _TRANSPORT_LIMIT_FACTOR + 4096
         )
         self._router.bind(address.endpoint)
-        self._dealers: dict[str, _Dealer] = {}
+        #: Endpoint -> DEALER, least recently used first.
+        self._dealers: collections.OrderedDict[str, _Dealer] = collections.OrderedDict()
         self._dealers_lock = threading.Lock()
         self._stop = threading.Event()
         #: Dropped messages by reason ("malformed", "oversized", "unauthenticated", ...).
         self.rejected: collections.Counter[str] = collections.Counter()
+        #: DEALERs closed to stay within ``max_peers``.
+        self.num_evicted_peers = 0
         self._last_warning: dict[str, float] = {}
         self._thread = threading.Thread(target=self._serve, name=f"{name}-listener", daemon=True)
 
@@ -70,9 +83,14 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ outbound
     def send(self, peer: PeerAddr, message: msgspec.Struct) -> bool:
-        """Queue ``message`` to ``peer`` (never blocks); False if it could not be queued."""
+        """Queue ``message`` to ``peer`` (never blocks, never raises); False if it could not
+        be queued."""
         frames = self.codec.encode(message, self.address)
-        dealer = self._dealer(peer.endpoint)
+        try:
+            dealer = self._dealer(peer.endpoint)
+        except zmq.ZMQError as e:  # no socket to that endpoint (bad address, no descriptors)
+            logger.warning("%s: no connection to %s for %s: %s", self.name, peer, message, e)
+            return False
         if dealer is None:
             return False
         with dealer.lock:
@@ -88,12 +106,23 @@ class ControlPlane:
             if self._stop.is_set():
                 return None
             dealer = self._dealers.get(endpoint)
-            if dealer is None:
-                socket = self._ctx.socket(zmq.DEALER)
+            if dealer is not None:
+                self._dealers.move_to_end(endpoint)
+                return dealer
+            while len(self._dealers) >= self.max_peers:
+                _, evicted = self._dealers.popitem(last=False)
+                self.num_evicted_peers += 1
+                with evicted.lock:
+                    evicted.socket.close(linger=_EVICTED_LINGER_MS)
+            socket = self._ctx.socket(zmq.DEALER)
+            try:
                 socket.setsockopt(zmq.LINGER, 0)
                 socket.setsockopt(zmq.SNDHWM, 10_000)
                 socket.connect(endpoint)
-                dealer = self._dealers[endpoint] = _Dealer(socket)
+            except zmq.ZMQError:
+                socket.close(linger=0)
+                raise
+            dealer = self._dealers[endpoint] = _Dealer(socket)
             return dealer
 
     def forget(self, peer: PeerAddr) -> None:
@@ -150,7 +179,8 @@ class ControlPlane:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._dealers_lock:
-            dealers, self._dealers = list(self._dealers.values()), {}
+            dealers = list(self._dealers.values())
+            self._dealers.clear()
         for dealer in dealers:
             with dealer.lock:
                 dealer.socket.close(linger=0)

@@ -15,7 +15,10 @@ If both sides start a group at once (two kv_both instances), the smaller generat
 the other side abandons its own (its PairStore raises) and joins the winner. A Hello for a new
 generation from a peer we already have a group with means the peer lost it: ours is torn down.
 A group is torn down (``drop``: gloo connections closed, so the peer's pending ops fail fast)
-when a send or receive on it fails or the peer stops answering. NCCL groups for CUDA tensors
+when a send or receive on it fails or the peer stops answering. At most
+``MAX_PENDING_SETUPS`` groups are being set up at once (each holds a thread for up to the
+setup timeout): past that a Hello is dropped and ``ensure`` raises, so a flood of Hellos or
+of loads naming made-up peers costs bounded threads. NCCL groups for CUDA tensors
 would be created the same way (not built: no GPU here).
 """
 
@@ -34,6 +37,10 @@ from pagedkv.kv_transfer.p2p.protocol import Hello, PeerAddr, StoreSet
 from pagedkv.kv_transfer.p2p.store import PairStore
 
 logger = logging.getLogger(__name__)
+
+
+#: Pair groups in setup at once; a setup normally takes milliseconds.
+MAX_PENDING_SETUPS = 32
 
 
 class PairGroupError(RuntimeError):
@@ -79,9 +86,16 @@ class PairGroups:
         self._groups: dict[str, PairGroup] = {}
         self._lock = threading.Lock()
         self._closed = False
+        #: Hellos refused while MAX_PENDING_SETUPS groups were being set up.
+        self.num_dropped_hellos = 0
 
     def _rank_with(self, peer: PeerAddr) -> int:
         return 0 if self.me.engine_id < peer.engine_id else 1
+
+    @property
+    def num_pending(self) -> int:
+        """Groups still being set up."""
+        return sum(not group.ready.is_set() for group in self._groups.values())
 
     def get(self, engine_id: str) -> PairGroup | None:
         with self._lock:
@@ -104,7 +118,14 @@ class PairGroups:
                 if not group.ready.is_set() and group.name < hello.group:
                     return  # both started one: ours wins, the peer joins it
                 self._drop_locked(group, f"superseded by generation {hello.group[:8]}")
-            self._start(peer, hello.group, send_hello=False)
+            try:
+                self._start(peer, hello.group, send_hello=False)
+            except PairGroupError as e:
+                self.num_dropped_hellos += 1
+                if self.num_dropped_hellos & (self.num_dropped_hellos - 1) == 0:  # 1, 2, 4...
+                    logger.warning(
+                        "Hello from %s dropped: %s [%d so far]", peer, e, self.num_dropped_hellos
+                    )
 
     def on_store_set(self, peer: PeerAddr, message: StoreSet) -> None:
         with self._lock:
@@ -119,6 +140,8 @@ class PairGroups:
         """Called with the lock held: register the generation, then set it up on a thread."""
         if self._closed:
             raise PairGroupError("pair groups are shut down")
+        if self.num_pending >= MAX_PENDING_SETUPS:
+            raise PairGroupError(f"{MAX_PENDING_SETUPS} pair groups are already being set up")
 
         def publish(key: str, value: bytes) -> None:
             self._send(peer, StoreSet(name, key, value))

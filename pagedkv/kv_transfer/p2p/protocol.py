@@ -18,20 +18,73 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import re
 
 import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_ENVELOPE_BYTES = 1024
 MAC_BYTES = 32
+MAX_ENGINE_ID_LEN = 256
+#: Host names: dot-separated labels of letters, digits, inner hyphens (RFC 1123) and
+#: underscores (container service names use them).
+_LABEL = r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)"
+_HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*\.?")
+
+
+def check_host(host: str) -> None:
+    """ValueError unless ``host`` is an IP address or a host name. A ZMQ endpoint is built from
+    it, and ZMQ raises on a malformed one (``"a b"``, ``"*"``, NUL): such a host must be refused
+    where it enters (kv_transfer_params, an envelope), never reach a socket call."""
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        raise ValueError(f"host must be an IP address or a host name, got {host!r:.80}")
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return
+    except ValueError:
+        pass
+    if not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"host must be an IP address or a host name, got {host!r:.80}")
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` only reaches this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(logger, what: str, host: str, secret: bytes | None) -> None:
+    """Without a shared secret, anyone who reaches ``host`` is trusted: say so when that is
+    more than this machine."""
+    if secret is None and not is_loopback(host):
+        logger.warning(
+            "%s listens on %s without a shared secret: anyone who can reach it is trusted "
+            "(set $PAGEDKV_KV_SECRET on every instance and the proxy)",
+            what,
+            host,
+        )
 
 
 class PeerAddr(msgspec.Struct, frozen=True, array_like=True):
-    """Where an instance's control plane listens, and who it is."""
+    """Where an instance's control plane listens, and who it is. Checked on construction and
+    on decoding (msgspec runs ``__post_init__``): a bad address is a ValueError, or a
+    ``malformed`` envelope."""
 
     engine_id: str
     host: str
     port: int
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.engine_id) <= MAX_ENGINE_ID_LEN:
+            raise ValueError(f"engine id must be 1 to {MAX_ENGINE_ID_LEN} characters")
+        check_host(self.host)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
 
     @property
     def endpoint(self) -> str:

@@ -52,6 +52,7 @@ from pagedkv.kv_transfer.p2p.protocol import (
     StoreSet,
     Want,
     XferBegin,
+    warn_if_open,
 )
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.transfer import (
@@ -86,6 +87,9 @@ DELIVERED, REFUSED, FAILED, EXPIRED = (
 
 #: No single message may be larger, whatever a WANT asks for.
 MAX_MESSAGE_BYTES = 256 << 20
+#: Ended transfers remembered (P), oldest forgotten first: a flood of CANCELs for made-up
+#: transfer ids costs bounded memory.
+MAX_TOMBSTONES = 1 << 16
 
 
 class TransferError(RuntimeError):
@@ -142,6 +146,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._last_heard: dict[str, float] = {}
 
         codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes)
+        warn_if_open(logger, "the P2P control plane", config.kv_ip, p2p.secret_bytes)
         self.control = ControlPlane(
             codec,
             self.me,
@@ -192,6 +197,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         rejected = dict(self.control.rejected)
         out["num_rejected_messages"] = sum(rejected.values())
         out.update({f"num_rejected_{reason}": n for reason, n in rejected.items()})
+        out["num_evicted_peers"] = self.control.num_evicted_peers
+        out["num_dropped_hellos"] = self.groups.num_dropped_hellos
         if self._pool is not None:
             out["send_pool_used_bytes"] = self._pool.used_bytes
         return out
@@ -444,11 +451,13 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._leases.renew(rec.transfer_id)
 
     def _send_failed(self, rec: Outbound, group: PairGroup | None, error: Exception) -> None:
-        """Before XFER_BEGIN, D hears a NACK; after it, D's receive fails with the group."""
+        """D hears a NACK (group lost: the group is dropped here). A D already receiving
+        ignores it (its receive fails with the group); a D still waiting for XFER_BEGIN (it
+        never came, or was lost) ends the load and sets up a fresh group for the next."""
         reason = f"send failed: {error}"
         with self._lock:
             self._end_outbound(rec, FAILED, reason)
-            if not rec.begun and rec.peer is not None:
+            if rec.peer is not None:
                 self.control.send(rec.peer, Nack(rec.transfer_id, reason, group_lost=True))
         if group is not None:
             self.groups.drop(group.peer.engine_id, reason, group.name)
@@ -516,6 +525,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._leases.release(rec.transfer_id)
 
     def _tombstone(self, transfer_id: str, why: str) -> None:
+        if transfer_id not in self._ended and len(self._ended) >= MAX_TOMBSTONES:
+            del self._ended[next(iter(self._ended))]  # the oldest
         self._ended[transfer_id] = (why, time.monotonic() + self._tombstone_s)
 
     # ================================================================== P: messages from D
@@ -624,7 +635,6 @@ class P2pConnectorWorker(KVConnectorWorker):
         if rec is None:
             return  # already ended (its finished_recving is on its way)
         if rec.state is PENDING:
-            self._cancelled[rec.spec.transfer_id] = (rec, time.monotonic() + 60)
             self._end_inbound(rec, FAILED, reason)
         elif rec.state is RECEIVING:
             with rec.lock:  # nothing more is posted into or scattered into its blocks
@@ -656,7 +666,13 @@ class P2pConnectorWorker(KVConnectorWorker):
         log = logger.info if state is DELIVERED else logger.warning
         log("transfer %s from %s: %s (%s)", spec.transfer_id, spec.remote, state.value, reason)
         self._report_load(rec, ok=state is DELIVERED)
-        self._inbound_by_tid.pop(spec.transfer_id, None)
+        if self._inbound_by_tid.get(spec.transfer_id) is rec:  # not another load's id
+            del self._inbound_by_tid[spec.transfer_id]
+        if was is PENDING and rec.segments:
+            # Ended before its data began (cancelled, refused, P silent): if P sends it anyway
+            # (its WANT came late, or crossed our CANCEL), it is drained, never stored, so
+            # P's send ends at once instead of stalling for transfer_timeout_s.
+            self._cancelled[spec.transfer_id] = (rec, time.monotonic() + 60)
         if spec.remote is None or state is REFUSED:
             return
         if was is PENDING:
@@ -831,6 +847,12 @@ class P2pConnectorWorker(KVConnectorWorker):
         for table in (self._ended, self._cancelled):
             for key in [k for k, (_, expiry) in table.items() if expiry < now]:
                 del table[key]
+        # Senders long silent: only pending loads read these (and bound them by their start).
+        # list() copies in one C call: safe while the listener thread adds entries.
+        horizon = now - max(60.0, 4 * self.p2p_config.peer_timeout_s)
+        for engine_id, heard in list(self._last_heard.items()):
+            if heard < horizon:
+                self._last_heard.pop(engine_id, None)
 
     def _heartbeats(self) -> dict[PeerAddr, list[str]]:
         """D: per P, the transfers still awaited (renews P's leases; P's answer = liveness)."""

@@ -113,6 +113,11 @@ class StoreConnectorWorker(KVConnectorWorker):
                 )
             )
 
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """This half's put and load counters (the scheduler half's lookups are not here)."""
+        skip = {"num_lookups", "num_lookup_errors", "num_hit_blocks"}
+        return {f: getattr(self.stats, f) for f in StoreStats.__slots__ if f not in skip}
+
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput(invalid_block_ids=self._invalid_block_ids)
         self._invalid_block_ids = set()

@@ -1,0 +1,70 @@
+"""The Redis-store deployment over HTTP: two kv_both ``pagedkv serve`` instances sharing a
+redis-server, under load, and with Redis stopped in the middle of a load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.kv_transfer.conftest import Cluster, complete, total
+from tests.kv_transfer.store.conftest import REDIS_SERVER, RedisServer, free_port, store_kv_config
+from tests.load_check import assert_at_rest, short_load
+from tests.tiny_models import random_prompt
+
+
+@pytest.fixture(scope="module")
+def store_pair(tiny_model, tmp_path_factory):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    redis = RedisServer(free_port())
+    redis.start()
+    cluster = Cluster(tiny_model, tmp_path_factory.mktemp("store-http"))
+    try:
+        config = store_kv_config(redis.url, "kv_both")
+        a, b = cluster.serve_config("A", config), cluster.serve_config("B", config)
+        cluster.ready(a, b)
+        servers = {"A": a, "B": b}
+        yield SimpleNamespace(redis=redis, a=a, b=b, servers=servers, urls=[a.base_url, b.base_url])
+    finally:
+        cluster.close()
+        redis.stop()
+
+
+def test_two_store_instances_under_load_share_blocks_and_come_back_to_rest(store_pair) -> None:
+    """4 clients for 3 s, requests alternating between A and B, 15 prompts reused in turn (so
+    each prompt visits A and B by turns): each answered exactly once; blocks one instance
+    computed were loaded from Redis by the other; both end at rest."""
+    short_load(store_pair.urls, store_pair.urls, num_prompts=15)
+    assert store_pair.redis.client().dbsize() > 0  # blocks were stored ...
+    loaded = total(store_pair.servers, "AB", "pagedkv:kv_transfer_num_blocks_loaded_total")
+    assert loaded > 0  # ... and loaded by the instance that had not computed them
+
+
+def test_redis_stopped_mid_load_costs_recompute_not_requests(store_pair, reference_text) -> None:
+    """Redis dies 1 s into a 4 s load: every request is still answered exactly once (the
+    store is a cache: a failed put is dropped, a failed lookup or load is a miss), greedy
+    outputs stay exact, and both instances come back to rest."""
+
+    def failures() -> float:
+        names = ("num_put_failures", "num_load_errors")
+        return sum(total(store_pair.servers, "AB", f"pagedkv:kv_transfer_{n}_total") for n in names)
+
+    before = failures()
+    stopper = threading.Timer(1.0, store_pair.redis.stop)
+    stopper.start()
+    t0 = time.monotonic()
+    try:
+        # Fresh prompts throughout: every request looks up and stores blocks.
+        short_load(store_pair.urls, store_pair.urls, seconds=4, num_prompts=1000, seed=1)
+    finally:
+        stopper.join()
+    assert time.monotonic() - t0 < 60
+    assert failures() > before  # Redis was down under the instances' feet
+    prompts = [random_prompt(n, seed=500 + n) for n in (20, 45)]
+    expected = reference_text(prompts, 8)
+    for server in (store_pair.a, store_pair.b):
+        assert [complete(server.client(), p, stream=False) for p in prompts] == expected
+    assert_at_rest(store_pair.urls)
