@@ -64,7 +64,6 @@ class AttentionMetadata:
     up to twice the keys on a typical mixed batch.
     """
 
-    num_actual_tokens: int
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]: num_computed_tokens + num_scheduled_tokens
     block_table: torch.Tensor  # int32 [num_reqs, max_num_blocks_per_req]
@@ -101,7 +100,6 @@ class AttentionMetadata:
         seq_lens = np.asarray(seq_lens, dtype=np.int32)
         query_lens = np.diff(query_start_loc)
         return cls(
-            num_actual_tokens=int(query_start_loc[-1]),
             query_start_loc=torch.from_numpy(query_start_loc).to(device),
             seq_lens=torch.from_numpy(seq_lens).to(device),
             block_table=torch.from_numpy(np.asarray(block_table, dtype=np.int32)).to(device),

@@ -80,6 +80,7 @@ class LLMEngine:
             kv_cache_memory_bytes=self._kv_cache_budget(layer_specs),
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
+        self._check_one_request_fits()
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config,
@@ -126,6 +127,35 @@ class LLMEngine:
         page_bytes = sum(spec.page_size_bytes for spec in layer_specs.values())
         max_useful_blocks = self.args.max_num_seqs * cdiv(self.max_model_len, self.args.block_size)
         return min(budget, (max_useful_blocks + 1) * page_bytes)
+
+    def _check_one_request_fits(self) -> None:
+        """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens (as vLLM
+        does): such a request could never be admitted, or would preempt itself forever."""
+        groups = self.kv_cache_config.kv_cache_groups
+        in_flight = self.args.max_num_batched_tokens
+
+        def blocks_for(num_tokens: int) -> int:
+            total = 0
+            for group in groups:
+                spec = group.kv_cache_spec
+                num_blocks = cdiv(num_tokens, spec.block_size)
+                cap = spec.max_admission_blocks_per_request(in_flight, num_tokens)
+                total += num_blocks if cap is None else min(cap, num_blocks)
+            return total
+
+        usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
+        if blocks_for(self.max_model_len) <= usable:
+            return
+        lo, hi = 0, self.max_model_len  # the longest length that fits is in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if blocks_for(mid) <= usable else (lo, mid)
+        raise ValueError(
+            f"the KV cache ({usable} blocks of {self.args.block_size} tokens) cannot hold one "
+            f"request of max_model_len={self.max_model_len} tokens "
+            f"({blocks_for(self.max_model_len)} blocks): raise --kv-cache-memory or "
+            f"--num-gpu-blocks-override, or set --max-model-len {lo} or less"
+        )
 
     def model_fingerprint(self) -> str:
         """Model, dtype and KV layout: instances exchange KV only when these are equal."""

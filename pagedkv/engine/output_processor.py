@@ -72,9 +72,6 @@ class OutputProcessor:
         state.metrics.finished_time = time.monotonic()
         return self._make_output(state, finished=True)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.states
-
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

@@ -27,7 +27,6 @@ class RequestMetrics:
     """Wall-clock timestamps (``time.monotonic``) of one request."""
 
     arrival_time: float
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None

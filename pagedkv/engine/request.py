@@ -73,8 +73,6 @@ class Request:
         self.num_computed_tokens = 0
         #: Prompt tokens served from the local prefix cache or a KV connector at admission.
         self.num_cached_tokens = 0
-        self.num_preemptions = 0
-        self.first_scheduled_time: float | None = None
         #: While in WAITING_FOR_REMOTE_KVS: when the load counts as failed (monotonic clock).
         self.kv_load_deadline = float("inf")
         self.kv_load_cancelled = False

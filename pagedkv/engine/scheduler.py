@@ -59,8 +59,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.kv_cache_manager.is_allocated(request_id):  # sending, or ended while loading
+            raise ValueError(
+                f"request id {request_id!r} is still in use: the KV transfer of an earlier "
+                "request with this id has not ended"
+            )
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -76,7 +82,11 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            # A load that already ended (reported, not yet promoted) has nothing to cancel.
+            loading = (
+                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and request_id not in self.finished_loads
+            )
             request.status = status
             if loading and self.connector is not None:
                 self.connector.cancel_load(request)
@@ -87,6 +97,8 @@ class Scheduler:
         request_id = request.request_id
         del self.requests[request_id]
         self.finished_req_ids.add(request_id)
+        self.finished_loads.discard(request_id)
+        self.failed_loads.pop(request_id, None)
         kv = self.kv_cache_manager
         hold, params = False, None
         if self.connector is not None:
@@ -185,7 +197,6 @@ class Scheduler:
                     req_id=r.request_id,
                     token_ids=list(r.all_token_ids),
                     num_prompt_tokens=r.num_prompt_tokens,
-                    num_output_tokens=r.num_output_tokens,
                     sampling_params=r.sampling_params,
                     block_ids=kv.get_block_ids(r.request_id),
                     num_computed_tokens=r.num_computed_tokens,
@@ -210,16 +221,12 @@ class Scheduler:
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         # Tokens scheduled now count as computed: their KV is written by this step's forward.
-        now = time.monotonic()
         for request in (*scheduled_running, *scheduled_new):
             n = num_scheduled[request.request_id]
             num_prompt_left = request.num_prompt_tokens - request.num_computed_tokens
             if num_prompt_left > 0:
                 self.stats.num_prompt_tokens += min(n, num_prompt_left)
             request.num_computed_tokens += n
-        for request in scheduled_new:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
         return output
 
     def _admit(self, request: Request, budget: int) -> int | str | None:
@@ -268,6 +275,7 @@ class Scheduler:
         if load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.kv_load_deadline = time.monotonic() + self._kv_load_timeout
+            request.kv_load_cancelled = False
         return num_new
 
     @property
@@ -313,7 +321,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.preempted_req_ids.add(request.request_id)
         self.waiting.prepend(request)
@@ -389,12 +396,7 @@ class Scheduler:
             reason = self.failed_loads.pop(request_id, None)
             if reason is not None:
                 self.waiting.remove(request)
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error = reason
-                self._free_request(request)
-                outputs.append(
-                    EngineCoreOutput(request_id, [], finish_reason="error", error=reason)
-                )
+                self._fail_request(request, reason, outputs)
             else:
                 self.finished_loads.add(request_id)
         return recompute
@@ -429,13 +431,10 @@ class Scheduler:
                 kv.evict_blocks(self._block_ids_from(request, first_bad))
                 if policy == "fail":
                     self.running.remove(request)
-                    request.status = RequestStatus.FINISHED_ERROR
-                    request.error = "loading the KV cache failed (kv_load_failure_policy=fail)"
-                    self._free_request(request)
-                    outputs.append(
-                        EngineCoreOutput(
-                            request.request_id, [], finish_reason="error", error=request.error
-                        )
+                    self._fail_request(
+                        request,
+                        "loading the KV cache failed (kv_load_failure_policy=fail)",
+                        outputs,
                     )
                 else:
                     # Redo from the first bad block: back to waiting with its blocks kept;
@@ -447,6 +446,15 @@ class Scheduler:
                     self.preempted_req_ids.add(request.request_id)
                     recompute.add(request.request_id)
         return recompute
+
+    def _fail_request(self, request: Request, reason: str, outputs: list[EngineCoreOutput]) -> None:
+        """End a request (already off the running and waiting queues) with an error."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = reason
+        self._free_request(request)
+        outputs.append(
+            EngineCoreOutput(request.request_id, [], finish_reason="error", error=reason)
+        )
 
     def _block_ids_from(self, request: Request, first_token: int) -> set[int]:
         out: set[int] = set()

@@ -15,7 +15,6 @@ class NewRequestData:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    num_output_tokens: int
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int

@@ -75,7 +75,13 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend)
         self.max_num_reqs = args.max_num_seqs
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
-        self.seed = args.seed
+        if args.seed is not None:  # unseeded sampling draws from torch's default generator
+            torch.manual_seed(args.seed)
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+            )
+        self.gpu_memory_utilization = args.gpu_memory_utilization
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         #: The worker half of a KV connector (duck-typed: this layer does not import it).
@@ -83,11 +89,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV cache
     def default_kv_cache_memory(self) -> int | None:
-        """On CUDA, the free memory times ``gpu_memory_utilization``; None on CPU."""
+        """On CUDA, what is free once ``1 - gpu_memory_utilization`` of the device is kept
+        back (vLLM's meaning: the engine may use that fraction of the whole GPU); None on CPU."""
         if self.device.type != "cuda":
             return None
         free, total = torch.cuda.mem_get_info(self.device)
-        return int(free - total * 0.1)
+        budget = int(free - total * (1 - self.gpu_memory_utilization))
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no memory for the "
+                f"KV cache ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free): raise it"
+            )
+        return budget
 
     def get_kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         dtype = str(self.dtype).removeprefix("torch.")

@@ -74,7 +74,11 @@ def test_schedule_does_not_change_outputs(arch, engine_args, make_llm, prompts, 
 def test_preemption_does_not_change_outputs(arch, make_llm, prompts, reference) -> None:
     # 12 usable blocks per group cannot hold all six requests at full length: the scheduler
     # must preempt (recompute) to finish them.
-    llm = make_llm(arch, num_gpu_blocks_override=13 * (3 if arch == "qwen2_hybrid" else 1))
+    llm = make_llm(
+        arch,
+        num_gpu_blocks_override=13 * (3 if arch == "qwen2_hybrid" else 1),
+        max_model_len=96,  # the longest request is 57 + 24 tokens
+    )
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
     assert llm.llm_engine.get_stats().num_preemptions > 0
 

@@ -127,3 +127,38 @@ def test_producer_holds_blocks_until_sent(make_llm) -> None:
     engine.step()
     assert "held" in inproc.STORE
     assert engine.kv_cache_manager.usage == 0 and not engine.has_unfinished_requests()
+
+
+def test_abort_after_the_load_ended_but_before_promotion_frees_at_once(make_llm) -> None:
+    """The load of L ends while R holds the only running slot, so L is not promoted yet; an
+    abort then has no load to wait for. (Once L waited for a second end of its load that never
+    came: its blocks leaked and the engine never drained.)"""
+    prompt = random_prompt(30, seed=6)
+    producer = make_llm("llama", kv_transfer_config=kv_config("kv_producer"))
+    consumer = make_llm("llama", kv_transfer_config=kv_config("kv_consumer"), max_num_seqs=1)
+    (params,) = prefill_remotely(producer, [prompt])
+    engine = consumer.llm_engine
+    loaded = engine.add_request(None, prompt, GREEDY, kv_transfer_params=params)
+    engine.add_request(None, random_prompt(9, seed=7), GREEDY)
+    engine.step()  # L's load starts and ends; R takes the only slot
+    assert loaded in engine.scheduler.finished_loads
+    engine.abort_request(loaded)
+    run(engine, [])
+    assert engine.kv_cache_manager.usage == 0 and not engine.scheduler.finished_loads
+
+
+def test_an_id_whose_blocks_are_still_held_is_refused(make_llm) -> None:
+    """P holds a finished request's blocks until they are sent: a new request under the same id
+    would otherwise take over that block table, and the send's end would free its blocks."""
+    producer = make_llm("llama", kv_transfer_config=kv_config("kv_producer"))
+    engine = producer.llm_engine
+    remote = {"do_remote_decode": True, "transfer_id": "reused"}
+    engine.add_request(
+        "r", random_prompt(40, seed=8), SamplingParams(max_tokens=1), kv_transfer_params=remote
+    )
+    assert engine.step()[0].finished and engine.kv_cache_manager.usage > 0
+    with pytest.raises(ValueError, match="still in use"):
+        engine.add_request("r", random_prompt(20, seed=9), GREEDY)
+    run(engine, [])
+    engine.add_request("r", random_prompt(20, seed=9), GREEDY)  # free again once sent
+    run(engine, [])

@@ -31,8 +31,9 @@ def storm_requests() -> list[tuple[list[int], SamplingParams]]:
 @pytest.mark.parametrize(
     "arch, num_blocks",
     # llama: 10 usable blocks of 16 tokens. qwen2_hybrid: its full-attention and
-    # sliding-window groups share the pool (the window's old blocks go back as it slides).
-    [("llama", 11), ("qwen2_hybrid", 19)],
+    # sliding-window groups share the pool (the window's old blocks go back as it slides);
+    # 21 usable blocks are the fewest that hold one 112-token request in all three groups.
+    [("llama", 11), ("qwen2_hybrid", 22)],
 )
 def test_a_preemption_storm_completes_every_request_exactly(make_llm, arch, num_blocks) -> None:
     requests = storm_requests()
@@ -43,7 +44,9 @@ def test_a_preemption_storm_completes_every_request_exactly(make_llm, arch, num_
             [p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False
         )  # fmt: skip
     ]
-    engine = make_llm(arch, num_gpu_blocks_override=num_blocks, max_num_seqs=NUM_REQUESTS)
+    engine = make_llm(
+        arch, num_gpu_blocks_override=num_blocks, max_num_seqs=NUM_REQUESTS, max_model_len=112
+    )
     engine = engine.llm_engine
     ids = [engine.add_request(None, prompt, params) for prompt, params in requests]
     done = {}

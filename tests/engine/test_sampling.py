@@ -30,7 +30,7 @@ def test_seeded_sampling_survives_preemption(make_llm) -> None:
     prompts = [random_prompt(n, seed=n) for n in (30, 31, 32, 33)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40) for i in range(4)]
     roomy = make_llm("llama").generate(prompts, params, use_tqdm=False)
-    tight = make_llm("llama", num_gpu_blocks_override=12)
+    tight = make_llm("llama", num_gpu_blocks_override=12, max_model_len=96)
     cramped = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]

@@ -363,6 +363,7 @@ def test_a_preemption_storm_on_d_with_loads_in_flight(start_engine, shared, refe
         "D-tiny",
         kv_transfer_config=p2p_config("kv_consumer", "D-tiny", kv_load_timeout=20.0),
         num_gpu_blocks_override=12,
+        max_model_len=128,
     )
     prompts = [random_prompt(44 + i % 4, seed=900 + i) for i in range(12)]  # 3 blocks, then 4
     outs = disaggregate(p, d, prompts)
