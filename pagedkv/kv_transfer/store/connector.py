@@ -77,12 +77,36 @@ def longest_stored_prefix(stored: list[list[bool]], windows: list[int | None]) -
     return 0
 
 
+def announced_tokens(request: Request) -> int:
+    """The prompt tokens P announced as stored (``kv_transfer_params.store_num_tokens``): 0
+    when absent, or when not an integer from 0 to the prompt length (client input: warned
+    about and ignored, never an exception on the scheduler thread)."""
+    value = (request.kv_transfer_params or {}).get("store_num_tokens")
+    if value is None:
+        return 0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 0 <= value <= request.num_prompt_tokens
+    ):
+        logger.warning(
+            "request %s: kv_transfer_params.store_num_tokens must be an integer from 0 to "
+            "the prompt length (%d); ignored",
+            request.request_id,
+            request.num_prompt_tokens,
+        )
+        return 0
+    return value
+
+
 @dataclass(slots=True)
 class _Lookup:
     start_block: int
     num_blocks: int
     checked_at: float
     first_asked_at: float
+    #: P's ``store_num_tokens``, checked once per lookup (0: none, or not a valid one).
+    num_announced: int = 0
     failed: bool = False
 
 
@@ -133,13 +157,18 @@ class StoreConnector(KVConnectorBase):
         now = time.monotonic()
         lookup = self._lookups.get(request.request_id)
         if lookup is None or lookup.start_block != start:
-            lookup = _Lookup(start, 0, checked_at=-float("inf"), first_asked_at=now)
+            lookup = _Lookup(
+                start,
+                0,
+                checked_at=-float("inf"),
+                first_asked_at=now,
+                num_announced=announced_tokens(request),
+            )
             self._lookups[request.request_id] = lookup
         if now - lookup.checked_at > LOOKUP_REUSE_S:
             self._check_store(request, lookup, end)
             lookup.checked_at = now
-        announced = (request.kv_transfer_params or {}).get("store_num_tokens") or 0
-        expected_end = min(int(announced) // self.block_size, end)
+        expected_end = min(lookup.num_announced // self.block_size, end)
         if (
             start + lookup.num_blocks < expected_end
             and not lookup.failed
@@ -177,7 +206,9 @@ class StoreConnector(KVConnectorBase):
         if not request.block_hashes and request.num_tokens >= self.block_size:
             self._warn_no_hashes()
         if self.config.is_kv_producer:
-            self._saves[request.request_id] = _SaveState(request, [])
+            # Allocated again after a preemption: its puts queued before still count, so its
+            # blocks are held until they end (build_connector_meta takes its new blocks).
+            self._saves.setdefault(request.request_id, _SaveState(request, []))
         if num_external_tokens == 0:
             return
         assert lookup is not None, "external tokens without a lookup"

@@ -19,8 +19,10 @@ class StoreStats:
     # worker half: puts
     num_blocks_put: int = 0
     num_bytes_put: int = 0
-    #: Blocks not written because they were recently stored or found in the store.
-    num_puts_skipped: int = 0
+    #: Blocks not written because this instance stored them recently (engine thread) ...
+    num_puts_skipped_recent: int = 0
+    #: ... or because the writer found them in the store (writer thread).
+    num_puts_skipped_stored: int = 0
     #: Blocks not written because the writer's queue was full.
     num_puts_dropped: int = 0
     num_put_failures: int = 0
@@ -32,6 +34,10 @@ class StoreStats:
     num_load_corrupt: int = 0
     num_load_errors: int = 0
     num_load_cancelled: int = 0
+
+    @property
+    def num_puts_skipped(self) -> int:
+        return self.num_puts_skipped_recent + self.num_puts_skipped_stored
 
     @property
     def num_load_invalid(self) -> int:

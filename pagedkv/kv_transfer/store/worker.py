@@ -94,7 +94,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             if req_id in failed:
                 continue
             if ref.key in self.recent_keys:
-                self.stats.num_puts_skipped += 1
+                self.stats.num_puts_skipped_recent += 1
                 continue
             by_group[ref.group_id].append((req_id, ref))
         for group_id, saves in by_group.items():

@@ -133,7 +133,7 @@ class BlockWriter:
         try:
             exists = self.backend.exists_many(keys)
             todo = [start + i for i, stored in enumerate(exists) if not stored]
-            stats.num_puts_skipped += len(keys) - len(todo)
+            stats.num_puts_skipped_stored += len(keys) - len(todo)
             if todo:
                 size = layout.payload_size
                 batch = ValueBatch(len(todo), size, self._storage(len(todo), size))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
+import types
 
 import pytest
 
@@ -80,6 +82,94 @@ def test_cluster_url_builds_lazily_and_fails_as_a_store_error(redis_server) -> N
     assert backend.is_cluster
     with pytest.raises(StoreError):
         backend.exists_many(["k"])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:abc/0",
+        "redis://127.0.0.1:99999/0",
+        "redis://127.0.0.1:6379/0?socket_timeout=abc",
+        "redis+cluster://127.0.0.1:abc",
+    ],
+)
+def test_a_malformed_redis_url_fails_at_construction(url) -> None:
+    """Not at the first call, on the engine thread: redis-py parses the URL when the client is
+    built (without connecting), and the backend builds it at startup."""
+    with pytest.raises(ValueError, match="kv_connector_extra_config.store_url"):
+        create_backend(StoreConfig(store_url=url))
+
+
+def test_an_unexpected_exception_from_the_redis_client_is_a_store_error(
+    redis_server, monkeypatch
+) -> None:
+    backend = create_backend(StoreConfig(store_url=redis_server.url))
+    client = backend._get_client()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the client")
+
+    for name in ("pipeline", "mset", "mget"):
+        monkeypatch.setattr(client, name, broken)
+    for call in (
+        lambda: backend.exists_many(["k"]),
+        lambda: backend.put_many([("k", b"v")]),
+        lambda: backend.get_many(["k"]),
+        lambda: backend.delete_many(["k"]),
+    ):
+        with pytest.raises(StoreError, match="RuntimeError: a bug in the client"):
+            call()
+    assert not backend.breaker.is_open  # an error, not an unreachable store
+    backend.close()
+
+
+class BrokenMooncakeClient:
+    """Stands in for Mooncake's client (not installable here): it sets up, then every call
+    raises or answers nonsense; with ``setup_raises``, setting up raises."""
+
+    setup_raises = False
+
+    def setup(self, *args) -> int:
+        if self.setup_raises:
+            raise RuntimeError("master unreachable")
+        return 0
+
+    def batch_is_exist(self, keys):
+        raise RuntimeError("batch_is_exist failed")
+
+    def put_batch(self, keys, values):
+        raise TypeError("bad buffer")
+
+    def get_batch(self, keys):
+        return None  # not a list
+
+    def remove(self, key):
+        raise KeyError(key)
+
+    def close(self) -> None:
+        pass
+
+
+def test_mooncake_client_exceptions_are_store_errors(monkeypatch) -> None:
+    module = types.ModuleType("mooncake.store")
+    module.MooncakeDistributedStore = BrokenMooncakeClient  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
+    monkeypatch.setitem(sys.modules, "mooncake.store", module)
+    backend = create_backend(StoreConfig(store_url="mooncake://127.0.0.1:50051"))
+    for call in (
+        lambda: backend.exists_many(["k"]),
+        lambda: backend.put_many([("k", b"v")]),
+        lambda: backend.get_many(["k"]),
+        lambda: backend.delete_many(["k"]),
+    ):
+        with pytest.raises(StoreError, match="mooncake: "):
+            call()
+    assert not backend.breaker.is_open
+    monkeypatch.setattr(BrokenMooncakeClient, "setup_raises", True)
+    backend = create_backend(StoreConfig(store_url="mooncake://127.0.0.1:50051"))
+    with pytest.raises(StoreUnavailable, match="master unreachable"):
+        backend.exists_many(["k"])
+    assert backend.breaker.is_open
 
 
 def test_mooncake_without_its_client_says_how_to_install_it() -> None:

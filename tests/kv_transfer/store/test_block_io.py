@@ -47,7 +47,7 @@ def test_blocks_round_trip_through_the_store_bit_exactly(dtype, store_url) -> No
             )
         )
         writer.store(PutJob(layout, keys, set(), layout.snapshot(src, torch.tensor(src_ids))))
-        assert stats.num_blocks_put == n and stats.num_puts_skipped == len(first)
+        assert stats.num_blocks_put == n and stats.num_puts_skipped_stored == len(first)
         (value,) = backend.get_many([keys[5]])
         decode_value(keys[5], value, layout.payload_size)
 

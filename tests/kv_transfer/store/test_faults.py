@@ -217,6 +217,26 @@ def test_bad_store_config_fails_at_startup_with_a_clear_error(make_llm):
             "llama",
             kv_transfer_config={"kv_connector": "StoreConnector", "kv_role": "kv_both"},
         )
+    with pytest.raises(ValueError, match="kv_connector_extra_config.store_url: Port"):
+        make_llm("llama", kv_transfer_config=store_kv_config("redis://h:abc/0", "kv_both"))
+
+
+def test_an_unexpected_client_exception_is_a_miss_not_a_crash(redis_server, make_llm):
+    """Whatever the Redis client raises on the engine thread (lookup) or the writer (puts) is a
+    store error: the request is computed locally and the instance keeps serving."""
+    prompt = random_prompt(70, seed=23)
+    (expected,) = token_ids(make_llm("llama").generate([prompt], GREEDY, use_tqdm=False))
+    llm = make_llm("llama", kv_transfer_config=store_kv_config(redis_server.url, "kv_both"))
+    scheduler_half, worker = connector_halves(llm)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the client")
+
+    for backend in (scheduler_half.backend, worker.backend):
+        backend._get_client().pipeline = broken
+    assert token_ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == [expected]
+    assert scheduler_half.stats.num_lookup_errors == 1
+    assert worker.stats.num_put_failures == 4 and worker.stats.num_blocks_put == 0
 
 
 @pytest.mark.parametrize("ending", ["abort", "deadline"])
@@ -254,3 +274,67 @@ def test_a_load_stuck_in_the_store_ends_by_abort_or_deadline(ending, redis_serve
     if ending == "deadline":  # the load failed at its deadline: recomputed, output exact
         assert outs[rid].outputs[0].token_ids == expected
         assert engine.get_stats().num_prompt_tokens == 70
+
+
+def test_a_preempted_request_holds_its_blocks_until_its_earlier_puts_end(redis_server, make_llm):
+    """`long` queues puts, is preempted, comes back with its blocks hit in the local prefix
+    cache and finishes without queueing another: it still holds its blocks until the puts
+    queued before the preemption ended, so when the engine is done, its KV is in the store."""
+    short, long = random_prompt(10, seed=60), random_prompt(47, seed=61)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),  # 1 block, never full
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),  # 3 blocks, then a 4th
+    ]
+    expected = token_ids(make_llm("llama").generate([short, long], params, use_tqdm=False))
+    # 4 usable blocks: `long` is preempted when it needs its 4th, back when `short` is done.
+    config = store_kv_config(redis_server.url, "kv_producer")
+    producer = make_llm("llama", num_gpu_blocks_override=5, kv_transfer_config=config)
+    _, worker = connector_halves(producer)
+    put_many = worker.backend.put_many
+
+    def slow_put_many(items):
+        time.sleep(0.3)
+        put_many(items)
+
+    worker.backend.put_many = slow_put_many
+    outs = run(producer.llm_engine, [(short, params[0], None), (long, params[1], None)])
+    assert token_ids(outs) == expected
+    assert producer.llm_engine.get_stats().num_preemptions == 1
+    keys = block_keys(producer, long + expected[1][:-1])  # the 3 full blocks it computed
+    store = backend_for(redis_server.url)
+    assert store.exists_many(keys) == [True] * 3
+    store.close()
+    # A consumer loads the prompt's 2 full blocks and computes the rest.
+    consumer = make_llm(
+        "llama", kv_transfer_config=store_kv_config(redis_server.url, "kv_consumer")
+    )
+    (out,) = consumer.generate([long], params[1], use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[1]
+    assert consumer.llm_engine.get_stats().num_prompt_tokens == 47 - 32
+
+
+def test_skipped_puts_are_counted_by_the_thread_that_skips_them(redis_server, make_llm):
+    """Each counter has one writer thread: the engine thread counts blocks it knows it stored
+    recently, the writer those it finds in the store; /metrics shows both."""
+    prompt = random_prompt(70, seed=24)  # with 8 new tokens: 4 full blocks computed
+    config = store_kv_config(redis_server.url, "kv_producer")
+    a, b = (
+        make_llm("llama", kv_transfer_config=config),
+        make_llm("llama", kv_transfer_config=config),
+    )
+    a.generate([prompt], GREEDY, use_tqdm=False)
+    a.llm_engine.reset_prefix_cache()
+    a.generate([prompt], GREEDY, use_tqdm=False)  # A computes it again: stored recently
+    b.generate([prompt], GREEDY, use_tqdm=False)  # B finds A's blocks in the store
+    (_, a_worker), (_, b_worker) = connector_halves(a), connector_halves(b)
+    assert (a_worker.stats.num_puts_skipped_recent, a_worker.stats.num_puts_skipped_stored) == (
+        4,
+        0,
+    )
+    assert (b_worker.stats.num_puts_skipped_recent, b_worker.stats.num_puts_skipped_stored) == (
+        0,
+        4,
+    )
+    assert b_worker.stats.num_blocks_put == 0
+    exported = a_worker.get_kv_connector_stats()
+    assert exported["num_puts_skipped_recent"] == 4 and exported["num_puts_skipped_stored"] == 0

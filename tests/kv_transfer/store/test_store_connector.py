@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -111,3 +112,47 @@ def test_d_waits_for_blocks_p_is_still_writing(redis_server, make_llm):
                 out = o
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
     assert d_engine.get_stats().num_prompt_tokens == 70 - 64
+
+
+#: ``store_num_tokens`` values a client may send that are not a token count of a 70-token
+#: prompt (an int, not a bool, from 0 to 70).
+BAD_STORE_NUM_TOKENS = [
+    "x",
+    "48",
+    [1],
+    {"n": 1},
+    True,
+    False,
+    48.0,
+    float("nan"),
+    float("inf"),
+    -1,
+    -(2**70),
+    71,
+    2**70,
+]
+
+
+def test_a_bad_store_num_tokens_is_ignored_with_a_warning(redis_server, make_llm, caplog):
+    """``store_num_tokens`` is client input read on the engine thread: a bad value is warned
+    about and ignored (never an exception, never a wait for blocks nobody announced); each
+    request completes exactly and nothing is left behind."""
+    # One prompt each: a prompt hit in the local prefix cache is not looked up in the store.
+    prompts = [random_prompt(70, seed=200 + i) for i in range(len(BAD_STORE_NUM_TOKENS))]
+    expected = token_ids(make_llm("llama").generate(prompts, GREEDY, use_tqdm=False))
+    # An empty store and a long wait: a bad value read as an announcement would wait 30 s.
+    config = store_kv_config(redis_server.url, "kv_consumer", remote_prefill_wait_s=30)
+    consumer = make_llm("llama", kv_transfer_config=config)
+    requests = [
+        (prompt, GREEDY, {"do_remote_prefill": True, "store_num_tokens": value})
+        for prompt, value in zip(prompts, BAD_STORE_NUM_TOKENS)
+    ]
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pagedkv.kv_transfer.store.connector"):
+        outs = run(consumer.llm_engine, requests)
+    assert time.monotonic() - t0 < 10
+    assert token_ids(outs) == expected
+    warned = " ".join(r.getMessage() for r in caplog.records if "store_num_tokens" in r.message)
+    assert all(f"request {o.request_id}:" in warned for o in outs)
+    assert not consumer.llm_engine.scheduler.connector._lookups
+    # make_llm checks afterwards: no request left, every block back in the pool.

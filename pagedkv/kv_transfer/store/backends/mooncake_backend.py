@@ -13,16 +13,19 @@ batch API: ``batch_is_exist`` (1 / 0 / -1 per key), ``put_batch`` (0 = ok), ``ge
 (empty bytes for a missing key), ``remove``. Mooncake has no per-key TTL: ``ttl_s`` is rejected;
 the master evicts (approximate LRU at its high watermark) and evicted blocks become misses.
 Objects are immutable once put; a put racing another instance's put of the same key fails and
-is counted, which is harmless (equal keys mean equal KV).
+is counted, which is harmless (equal keys mean equal KV). The client's exceptions are not
+documented: any it raises is a ``StoreError`` (``StoreUnavailable`` from ``setup()``).
 
-Not exercised by the test suite (no Mooncake here); written against the documented client API.
+Not exercised against a real Mooncake by the test suite (none here; a stand-in client checks
+the error mapping); written against the documented client API.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from pagedkv.kv_transfer.store.backends.base import (
@@ -33,6 +36,7 @@ from pagedkv.kv_transfer.store.backends.base import (
 )
 from pagedkv.kv_transfer.store.config import StoreConfig
 
+F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_SETUP: dict[str, Any] = {
     "local_hostname": "127.0.0.1",
     "metadata_server": "P2PHANDSHAKE",
@@ -41,6 +45,22 @@ DEFAULT_SETUP: dict[str, Any] = {
     "protocol": "tcp",
     "device_name": "",
 }
+
+
+def _store_errors(method: F) -> F:
+    """A call through the client (and the check of its answer): any exception is a
+    StoreError, so that it is a miss."""
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as e:
+            raise StoreError(f"mooncake: {type(e).__name__}: {e}") from e
+
+    return wrapped  # type: ignore[return-value]
 
 
 class MooncakeBackend(StoreBackend):
@@ -73,38 +93,47 @@ class MooncakeBackend(StoreBackend):
         with self._lock:
             if not self._ready:
                 s = self._setup
-                rc = self._store.setup(
-                    s["local_hostname"],
-                    s["metadata_server"],
-                    s["global_segment_size"],
-                    s["local_buffer_size"],
-                    s["protocol"],
-                    s["device_name"],
-                    self._master,
-                )
+                try:
+                    rc = self._store.setup(
+                        s["local_hostname"],
+                        s["metadata_server"],
+                        s["global_segment_size"],
+                        s["local_buffer_size"],
+                        s["protocol"],
+                        s["device_name"],
+                        self._master,
+                    )
+                except Exception as e:
+                    raise StoreUnavailable(
+                        f"mooncake: setup with master {self._master}: {e}"
+                    ) from e
                 if rc != 0:
                     raise StoreUnavailable(f"mooncake: setup with master {self._master} -> {rc}")
                 self._ready = True
         return self._store
 
+    @_store_errors
     def _exists_many(self, keys: Sequence[str]) -> list[bool]:
         codes = self._client().batch_is_exist(list(keys))
         if len(codes) != len(keys) or any(c < 0 for c in codes):
             raise StoreError(f"mooncake: batch_is_exist -> {codes[:8]}")
         return [c == 1 for c in codes]
 
+    @_store_errors
     def _put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
         rc = self._client().put_batch([k for k, _ in items], [v for _, v in items])
         codes = rc if isinstance(rc, list) else [rc]  # one code, or one per key
         if any(code != 0 for code in codes):
             raise StoreError(f"mooncake: put_batch -> {codes[:8]}")
 
+    @_store_errors
     def _get_many(self, keys: Sequence[str]) -> list[Buffer | None]:
         values = self._client().get_batch(list(keys))
         if len(values) != len(keys):
             raise StoreError(f"mooncake: get_batch returned {len(values)} values")
         return [v if len(v) else None for v in values]
 
+    @_store_errors
     def _delete_many(self, keys: Sequence[str]) -> None:
         client = self._client()
         for key in keys:

@@ -3,8 +3,10 @@ pipeline where a batch needs several commands: TTLs, existence checks, cluster s
 
 ``redis://host:port/db`` (``rediss://`` for TLS) uses one connection pool shared by the
 connector's threads; ``redis+cluster://host:port`` (``rediss+cluster://``) uses
-``RedisCluster``, whose non-transactional pipelines split a batch by hash slot. Built lazily:
-a store that is down at startup is a miss, not a crash.
+``RedisCluster``, whose non-transactional pipelines split a batch by hash slot. The client is
+built at startup, so a malformed URL is an error then, but connects on first use (a cluster
+client, which reads the slot map when built, is built then): a store that is down at startup
+is a miss, not a crash.
 
 Values travel without extra copies: memoryviews are handed to the socket as they are. redis-py
 packs commands with hiredis when it is installed, which copies each large value into one
@@ -25,7 +27,7 @@ from typing import TypeVar
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.connection import HIREDIS_AVAILABLE, PythonRespSerializer
+from redis.connection import HIREDIS_AVAILABLE, PythonRespSerializer, parse_url
 from redis.retry import Retry
 
 from pagedkv.kv_transfer.store.backends.base import (
@@ -49,13 +51,16 @@ _UNAVAILABLE = (
 
 
 def _call(fn: Callable[[], T]) -> T:
-    """Run one redis-py call, mapping its failures onto the backend's two errors."""
+    """Run one redis-py call, mapping its failures onto the backend's two errors (anything
+    redis-py raises besides its own errors is a StoreError too: a miss, never a crash)."""
     try:
         return fn()
     except _UNAVAILABLE as e:
         raise StoreUnavailable(f"redis: {e}") from e
     except redis.exceptions.RedisError as e:
         raise StoreError(f"redis: {e}") from e
+    except Exception as e:
+        raise StoreError(f"redis: unexpected {type(e).__name__}: {e}") from e
 
 
 class RedisBackend(StoreBackend):
@@ -71,21 +76,28 @@ class RedisBackend(StoreBackend):
         )
         self._client: redis.Redis | RedisCluster | None = None
         self._client_lock = threading.Lock()
+        try:
+            if self.is_cluster:
+                parse_url(self._url)  # what RedisCluster.from_url will parse
+            else:
+                self._client = self._new_client()
+        except ValueError as e:  # the URL; the message leaves out a password it may hold
+            raise ValueError(f"kv_connector_extra_config.store_url: {e}") from None
+
+    def _new_client(self) -> redis.Redis | RedisCluster:
+        if self.is_cluster:
+            # Connects (reads the slot map) right away: inside _call, a failure is a miss.
+            return RedisCluster.from_url(self._url, **self._options)
+        options = dict(self._options)
+        if HIREDIS_AVAILABLE:
+            encoder = redis.connection.Encoder("utf-8", "strict", False)
+            options["command_packer"] = PythonRespSerializer(6000, encoder.encode)
+        return redis.Redis(connection_pool=redis.ConnectionPool.from_url(self._url, **options))
 
     def _get_client(self) -> redis.Redis | RedisCluster:
         with self._client_lock:
-            if self._client is not None:
-                return self._client
-            if self.is_cluster:
-                # Connects (reads the slot map) right away: inside _call, a failure is a miss.
-                self._client = RedisCluster.from_url(self._url, **self._options)
-            else:
-                options = dict(self._options)
-                if HIREDIS_AVAILABLE:
-                    encoder = redis.connection.Encoder("utf-8", "strict", False)
-                    options["command_packer"] = PythonRespSerializer(6000, encoder.encode)
-                pool = redis.ConnectionPool.from_url(self._url, **options)
-                self._client = redis.Redis(connection_pool=pool)
+            if self._client is None:  # a cluster client, or one closed
+                self._client = self._new_client()
             return self._client
 
     def _pipelined(self, add: Callable[[redis.client.Pipeline], None]) -> list:
