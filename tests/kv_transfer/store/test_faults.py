@@ -288,7 +288,9 @@ def test_a_preempted_request_holds_its_blocks_until_its_earlier_puts_end(redis_s
     expected = token_ids(make_llm("llama").generate([short, long], params, use_tqdm=False))
     # 4 usable blocks: `long` is preempted when it needs its 4th, back when `short` is done.
     config = store_kv_config(redis_server.url, "kv_producer")
-    producer = make_llm("llama", num_gpu_blocks_override=5, kv_transfer_config=config)
+    producer = make_llm(
+        "llama", num_gpu_blocks_override=5, max_model_len=64, kv_transfer_config=config
+    )
     _, worker = connector_halves(producer)
     put_many = worker.backend.put_many
 
