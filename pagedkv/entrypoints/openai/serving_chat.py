@@ -53,7 +53,8 @@ class OpenAIServingChat(OpenAIServing):
         stream = self.submit(request_id, self._render(request), params, request, param_names)
         if request.stream:
             return StreamingResponse(
-                self._stream(stream, request, param_names), media_type="text/event-stream"
+                self._stream(request_id, stream, request, param_names),
+                media_type="text/event-stream",
             )
         try:
             final = await self.final_output(stream, raw_request)
@@ -93,10 +94,14 @@ class OpenAIServingChat(OpenAIServing):
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     async def _stream(
-        self, stream: RequestStream, request: ChatCompletionRequest, param_names: dict[str, str]
+        self,
+        request_id: str,
+        stream: RequestStream,
+        request: ChatCompletionRequest,
+        param_names: dict[str, str],
     ) -> AsyncIterator[str]:
         role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        yield sse(self._chunk(stream.request_id, [role]))
+        yield sse(self._chunk(request_id, [role]))
         final = None
         try:
             async for delta in self.deltas(stream):
@@ -109,12 +114,12 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                 )
-                yield sse(self._chunk(stream.request_id, [choice]))
+                yield sse(self._chunk(request_id, [choice]))
         except (ValueError, EngineDeadError) as e:
             yield sse_error(engine_error(e, param_names))
         else:
             if request.include_usage and final is not None:
-                yield sse(self._chunk(stream.request_id, [], usage=self.usage(final)))
+                yield sse(self._chunk(request_id, [], usage=self.usage(final)))
         yield SSE_DONE
 
     def _chunk(

@@ -41,7 +41,8 @@ class OpenAIServingCompletion(OpenAIServing):
         stream = self.submit(request_id, request.prompt, params, request, param_names)
         if request.stream:
             return StreamingResponse(
-                self._stream(stream, request, param_names), media_type="text/event-stream"
+                self._stream(request_id, stream, request, param_names),
+                media_type="text/event-stream",
             )
         try:
             final = await self.final_output(stream, raw_request)
@@ -66,7 +67,11 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     async def _stream(
-        self, stream: RequestStream, request: CompletionRequest, param_names: dict[str, str]
+        self,
+        request_id: str,
+        stream: RequestStream,
+        request: CompletionRequest,
+        param_names: dict[str, str],
     ) -> AsyncIterator[str]:
         text_offset = 0
         final = None
@@ -84,12 +89,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                 )
-                yield sse(self._chunk(stream.request_id, [choice]))
+                yield sse(self._chunk(request_id, [choice]))
         except (ValueError, EngineDeadError) as e:
             yield sse_error(engine_error(e, param_names))
         else:
             if request.include_usage and final is not None:
-                yield sse(self._chunk(stream.request_id, [], usage=self.usage(final)))
+                yield sse(self._chunk(request_id, [], usage=self.usage(final)))
         yield SSE_DONE
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice], **kw) -> CompletionResponse:

@@ -88,8 +88,8 @@ class OpenAIServing:
 
     @staticmethod
     def request_id(raw_request: HTTPRequest, prefix: str) -> str:
-        """``{prefix}-{X-Request-Id header or a random id}``: a client (a proxy, a load
-        generator) can choose the id and match responses to requests."""
+        """The response's id, ``{prefix}-{X-Request-Id header or a random id}``: a client (a
+        proxy, a load generator) can choose the id and match responses to requests."""
         return f"{prefix}-{raw_request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
 
     def check_model(self, request: SamplingRequest) -> None:
@@ -152,9 +152,12 @@ class OpenAIServing:
         request: SamplingRequest,
         param_names: dict[str, str],
     ) -> RequestStream:
+        """Submit under an engine id of its own, ``{request_id}-{random suffix}``: clients may
+        send the same X-Request-Id twice, and each request must still be its own in the engine
+        (never refused, nor aborted by the other's disconnection)."""
         try:
             return self.async_llm.add_request(
-                request_id,
+                f"{request_id}-{uuid.uuid4().hex[:8]}",
                 prompt,
                 params,
                 priority=request.priority,
