@@ -79,7 +79,7 @@ class RequestStream:
                 yield item
         finally:
             if not self.finished:
-                self._abort(self.request_id)
+                self._abort(self.request_id, self)
 
 
 class AsyncLLM:
@@ -170,9 +170,13 @@ class AsyncLLM:
         async for output in stream:
             yield output
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if it already finished); its blocks are freed at once."""
-        self._commands.put(lambda: self._abort(request_id))
+    def abort(self, request_id: str, stream: RequestStream | None = None) -> None:
+        """Abort a request (no-op if it already finished); its blocks are freed at once.
+
+        With ``stream``, only if the request holding ``request_id`` is that stream's: a stream
+        whose request was refused (its id was in use) must not abort the one that holds it.
+        """
+        self._commands.put(lambda: self._abort(request_id, stream))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still in flight end with EngineDeadError."""
@@ -222,8 +226,10 @@ class AsyncLLM:
             return
         self._streams[request.request_id] = stream
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stream: RequestStream | None) -> None:
         if self._dead is not None:
+            return
+        if stream is not None and self._streams.get(request_id) is not stream:
             return
         self._publish(self.llm_engine.abort_request(request_id))
 

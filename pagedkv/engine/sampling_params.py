@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+#: top_k becomes an int64 tensor; a k above the vocabulary size keeps every token anyway.
+MAX_TOP_K = 2**31
+#: Stored as Python floats: the model runner turns them into float32 tensors.
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+def _is_finite_number(x: object) -> bool:
+    """Not NaN, not infinite, and no integer too large for a float (compared exactly)."""
+    return (
+        isinstance(x, int | float)
+        and not isinstance(x, bool)
+        and -sys.float_info.max <= x <= sys.float_info.max
+    )
 
 
 @dataclass
@@ -52,6 +69,8 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self._validate()
+        for name in _FLOAT_FIELDS:  # an integer temperature must not make an int64 tensor
+            setattr(self, name, float(getattr(self, name)))
 
     def _validate(self) -> None:
         def fail(name: str, requirement: str) -> None:
@@ -59,22 +78,15 @@ class SamplingParams:
 
         if self.n != 1:
             fail("n", "must be 1 (pagedkv returns one completion per request)")
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            if not _is_number(getattr(self, name)):
-                fail(name, "must be a number")
+        for name in _FLOAT_FIELDS:
+            if not _is_finite_number(getattr(self, name)):
+                fail(name, "must be a finite number")
         if not self.temperature >= 0:
             fail("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < MAX_TOP_K:
+            fail("top_k", "must be an integer in [-1, 2**31) (0 or -1 disables it)")
         if not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         if not -2 <= self.presence_penalty <= 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -131,3 +132,25 @@ def test_shutdown_ends_streams_with_engine_dead_error(async_llm) -> None:
     assert not async_llm.is_running
     # Shutdown keeps the engine as it was; free what the interrupted request held.
     async_llm.llm_engine.abort_request(list(async_llm.llm_engine.scheduler.requests))
+
+
+def test_a_refused_stream_does_not_abort_the_request_holding_its_id(async_llm) -> None:
+    """A second request under a live id is refused; if its reader leaves before the refusal
+    arrives, the stream's abort must not hit the first request (it once did: abort by id)."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def run() -> RequestOutput:
+        first = async_llm.add_request("dup", [1, 2, 3], long)
+        outputs = aiter(first)
+        await anext(outputs)  # running
+        release = threading.Event()
+        async_llm._commands.put(release.wait)  # hold the engine thread between two steps
+        refused = asyncio.ensure_future(collect(async_llm.add_request("dup", [4, 5], long)))
+        await asyncio.sleep(0.05)  # its reader waits: the engine has not refused it yet
+        refused.cancel()  # the client goes away: the stream's abort is queued
+        release.set()
+        return await collect(outputs)
+
+    final = asyncio.run(run())
+    assert final.outputs[0].finish_reason == "length"
+    assert len(final.outputs[0].token_ids) == long.max_tokens

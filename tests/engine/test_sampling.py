@@ -107,11 +107,37 @@ def test_max_tokens_and_length_finish(make_llm) -> None:
         (dict(seed="x"), "seed"),
         (dict(n=2), "n"),
         (dict(stop=[""]), "stop"),
+        # Values the model runner's tensors cannot hold (top_k is int64, floats float32).
+        (dict(top_k=2**63), "top_k"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=10**400), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_penalty=10**400), "repetition_penalty"),
+        (dict(seed=-(2**63) - 1), "seed"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_extreme_valid_sampling_params_are_served(make_llm) -> None:
+    """Whatever passes validation must not break the engine's tensor conversions: an integer
+    temperature of 2**63 once made an int64 tensor overflow on the engine thread."""
+    llm = make_llm("llama", max_model_len=64)
+    params = [
+        SamplingParams(temperature=2**63, max_tokens=3),
+        SamplingParams(temperature=1e308, top_k=2**31 - 1, seed=-(2**63), max_tokens=3),
+        SamplingParams(repetition_penalty=1e308, seed=2**64 - 1, max_tokens=3),
+        SamplingParams(max_tokens=2**70, min_tokens=2**69),
+        SamplingParams(max_tokens=None, min_tokens=2**70, ignore_eos=True),
+    ]
+    # One at a time: in a batch, the others' float temperatures would hide an int64 one.
+    outputs = [llm.generate([[5, 6, 7]], p, use_tqdm=False)[0] for p in params]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3, 61, 61]
+    assert params[0].temperature == float(2**63)  # stored as a float
 
 
 def test_bad_prompts_are_rejected(make_llm) -> None:

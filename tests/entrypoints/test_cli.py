@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pagedkv.entrypoints.cli import main, make_parser
@@ -139,6 +141,64 @@ def test_bench_serve_counts_failures(server: Server) -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert "Failed requests:" in result.stdout and "HTTP 400" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--max-concurrency", "0"),  # once: httpx.Limits(max_connections=0), every request hung
+        ("--max-concurrency", "-2"),
+        ("--duration", "0"),
+        ("--duration", "nan"),
+        ("--num-prompts", "0"),
+        ("--request-rate", "0"),
+        ("--request-rate", "-1"),
+        ("--input-len", "0"),
+        ("--output-len", "-1"),
+        ("--timeout", "0"),
+    ],
+)
+def test_bench_serve_rejects_numbers_below_one(
+    flag: str, value: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["bench", "serve", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_bench_serve_load_needs_a_positive_concurrency() -> None:
+    from pagedkv.entrypoints.bench.serve import run_load
+
+    with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
+        asyncio.run(run_load("http://127.0.0.1:1", MODEL_NAME, [], max_concurrency=0))
+
+
+@pytest.mark.parametrize(
+    "event, error",
+    [
+        (b'{"error": "engine gone"}', "stream error: engine gone"),  # once: AttributeError
+        (b'{"error": {"message": "bad"}}', "stream error: bad"),
+        (b"5", "TypeError"),
+        (b'{"id": "bench-x", "choices": null}', "TypeError"),
+    ],
+)
+def test_bench_serve_counts_a_malformed_stream_as_a_failed_request(
+    event: bytes, error: str
+) -> None:
+    from pagedkv.entrypoints.bench.datasets import BenchRequest
+    from pagedkv.entrypoints.bench.serve import send_request
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"data: " + event + b"\n\ndata: [DONE]\n\n")
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            request = BenchRequest([1, 2], 2)
+            return await send_request(client, "http://x", MODEL_NAME, request, 0, "bench-x", 0.0)
+
+    result = asyncio.run(run())
+    assert not result.ok and error in result.error
 
 
 def test_bench_throughput(tiny_model: Path, tmp_path: Path) -> None:

@@ -101,3 +101,37 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server: Server) -> 
     assert delta(after, before, ABORTED) == 1
     assert after["pagedkv:num_requests_running"] == 0
     assert after["pagedkv:kv_cache_usage_perc"] == 0
+
+
+def test_requests_sharing_an_x_request_id_are_served_apart(server: Server) -> None:
+    """Clients may reuse an X-Request-Id: each request is answered under that id as if alone,
+    and one that goes away mid-stream does not abort the others (it once did, or was refused)."""
+    client = server.client()
+    greedy = dict(model=MODEL_NAME, temperature=0, extra_body={"ignore_eos": True})
+    shared = {"X-Request-Id": "shared-id"}
+    alone = client.completions.create(prompt="w7 w8 w9", max_tokens=100, **greedy)
+    before = server.metrics()
+
+    leaving = client.completions.create(
+        prompt=[3 + i for i in range(40)], max_tokens=200, stream=True, extra_headers=shared,
+        **greedy,
+    )  # fmt: skip
+    staying = client.completions.create(
+        prompt="w7 w8 w9", max_tokens=100, stream=True, extra_headers=shared, **greedy
+    )
+    leaving_chunks, staying_chunks = iter(leaving), iter(staying)
+    first = next(staying_chunks)
+    assert next(leaving_chunks).id == first.id == "cmpl-shared-id"
+    # A third one under the same id while both run.
+    full = client.completions.create(
+        prompt="w7 w8 w9", max_tokens=100, extra_headers=shared, **greedy
+    )
+    assert full.id == "cmpl-shared-id" and full.choices[0].text == alone.choices[0].text
+    leaving.close()
+
+    chunks = [first, *staying_chunks]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == alone.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    after = server.wait_for_metrics(lambda m: delta(m, before, ABORTED) == 1)
+    assert delta(after, before, ABORTED) == 1  # the one that left, only
+    assert delta(after, before, "pagedkv:request_success_total{finished_reason=length}") == 2

@@ -35,6 +35,9 @@ BAD_REQUESTS = {
     "negative token id": ("completions", {"prompt": [1, -1]}, "prompt"),
     "batched prompts": ("completions", {"prompt": ["w1", "w2"]}, "prompt"),
     "seed beyond 64 bits": ("completions", {"prompt": "w1", "seed": 2**70}, "seed"),
+    # Once accepted, then an int64 overflow on the engine thread: the engine died (all 503).
+    "top_k beyond int64": ("completions", {"prompt": "w1", "top_k": 2**63}, "top_k"),
+    "top_k beyond int32": ("chat/completions", {"messages": MESSAGES, "top_k": 2**31}, "top_k"),
     "stop token id above vocab": (
         "completions",
         {"prompt": "w1", "stop_token_ids": [10**6], "min_tokens": 2},
@@ -112,6 +115,27 @@ def test_kv_transfer_params_that_json_cannot_carry_are_400(server: Server) -> No
         )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "kv_transfer_params"
+    server.assert_alive()
+
+
+def test_numbers_beyond_the_tensors_range_are_400_or_harmless(server: Server) -> None:
+    """1e400 parses as infinity: refused naming the field. Huge finite values are served."""
+    for field in ("temperature", "repetition_penalty", "top_p", "presence_penalty"):
+        body = b'{"prompt": "w1", "max_tokens": 1, "%s": 1e400}' % field.encode()
+        response = server.post(
+            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
+    for extra in (
+        {"temperature": 2**63},
+        {"temperature": 1e308, "top_k": 2**31 - 1},
+        {"repetition_penalty": 1e308, "seed": 2**64 - 1},
+        {"max_tokens": 2**70, "min_tokens": 2**69},
+    ):
+        response = server.post("/v1/completions", json={"prompt": "w1 w2"} | extra)
+        assert response.status_code == 200, (extra, response.text)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
     server.assert_alive()
 
 

@@ -7,6 +7,7 @@ shared-prefix: [ prefix_len tokens, the same for all | input_len random tokens ]
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Collection
 from typing import NamedTuple
 
@@ -20,15 +21,43 @@ class BenchRequest(NamedTuple):
     output_len: int
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of 0 would make a run that does nothing or hangs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (inf allowed, NaN not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
 def add_dataset_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random", help="(default: random)")
-    g.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    g.add_argument("--num-prompts", type=positive_int, default=64, help="requests (default: 64)")
     g.add_argument(
-        "--input-len", type=int, default=128, help="random tokens per prompt (default: 128)"
+        "--input-len",
+        type=positive_int,
+        default=128,
+        help="random tokens per prompt (default: 128)",
     )
     g.add_argument(
-        "--output-len", type=int, default=128, help="tokens generated per prompt (default: 128)"
+        "--output-len",
+        type=positive_int,
+        default=128,
+        help="tokens generated per prompt (default: 128)",
     )
     g.add_argument(
         "--prefix-len",

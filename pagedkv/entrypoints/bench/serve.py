@@ -35,7 +35,13 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pagedkv.entrypoints.bench.datasets import BenchRequest, add_dataset_args, sample_requests
+from pagedkv.entrypoints.bench.datasets import (
+    BenchRequest,
+    add_dataset_args,
+    positive_float,
+    positive_int,
+    sample_requests,
+)
 from pagedkv.entrypoints.bench.plot import plot_results
 from pagedkv.entrypoints.bench.results import (
     RequestResult,
@@ -57,20 +63,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="model name (default: the server's first)")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds per request (default: 600)"
+        "--timeout", type=positive_float, default=600.0, help="seconds per request (default: 600)"
     )
     add_dataset_args(parser)
     g = parser.add_argument_group("load")
     g.add_argument(
         "--request-rate",
-        type=float,
+        type=positive_float,
         default=math.inf,
         help="requests per second, Poisson arrivals (default: inf = all at once)",
     )
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument(
+        "--max-concurrency", type=positive_int, default=None, help="most requests in flight"
+    )
     g.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="S",
         help="run --max-concurrency clients back to back for S seconds instead of sending "
@@ -94,7 +102,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: 0)")
     g.add_argument(
         "--vocab-size",
-        type=int,
+        type=positive_int,
         default=256,
         help="prompt token ids are drawn below this (default: 256, valid for byte-level BPE)",
     )
@@ -155,7 +163,9 @@ async def send_request(
                     continue
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    result.error = f"stream error: {chunk['error'].get('message')}"
+                    error = chunk["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    result.error = f"stream error: {message}"
                     return result
                 if not _is_answer_to(chunk.get("id", ""), request_id):
                     result.error = f"chunk of another request: {chunk.get('id')!r}"
@@ -166,7 +176,8 @@ async def send_request(
                         num_finished += 1
                         result.finish_reason = choice["finish_reason"]
                 usage = chunk.get("usage") or usage
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        # TypeError, AttributeError: a chunk of the wrong shape (not an object, choices None)
         result.error = f"{type(e).__name__}: {e}"
         return result
     end = time.perf_counter()
@@ -208,7 +219,9 @@ async def run_load(
     base_urls = [base_url] if isinstance(base_url, str) else list(base_url)
     if not base_urls:
         raise ValueError("run_load needs at least one base URL")
-    if duration is not None and not (max_concurrency and max_concurrency > 0):
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if duration is not None and max_concurrency is None:
         raise ValueError("a run for a duration needs max_concurrency >= 1 (the clients)")
     rng = np.random.default_rng(seed)
     run_id = uuid.uuid4().hex[:8]
@@ -269,8 +282,8 @@ def _server_model(base_url: str, api_key: str | None, timeout: float) -> dict:
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     base_urls = [url.rstrip("/") for url in args.base_url]
-    if args.duration is not None and not (args.max_concurrency and args.duration > 0):
-        sys.exit("pagedkv bench serve: --duration S needs S > 0 and --max-concurrency N (clients)")
+    if args.duration is not None and args.max_concurrency is None:
+        sys.exit("pagedkv bench serve: --duration S needs --max-concurrency N (the clients)")
     try:
         card = _server_model(base_urls[0], args.api_key, args.timeout)
     except (httpx.HTTPError, KeyError, IndexError) as e:

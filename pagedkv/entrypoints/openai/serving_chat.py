@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 from fastapi import Response
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.engine.async_llm import EngineDeadError, RequestStream
+from pagedkv.engine.async_llm import RequestStream
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -22,13 +22,7 @@ from pagedkv.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedkv.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    OpenAIServing,
-    engine_error,
-    sse,
-    sse_error,
-)
+from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
 
 _UNSUPPORTED = ("logit_bias", "tools")
 
@@ -51,16 +45,11 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, logprobs, param_names)
         request_id = self.request_id(raw_request, "chatcmpl")
         stream = self.submit(request_id, self._render(request), params, request, param_names)
-        if request.stream:
-            return StreamingResponse(
-                self._stream(stream, request, param_names), media_type="text/event-stream"
-            )
-        try:
-            final = await self.final_output(stream, raw_request)
-        except (ValueError, EngineDeadError) as e:
-            raise engine_error(e, param_names) from None
-        if final is None:  # the client is gone
-            return Response(status_code=499)
+        return await self.respond(request_id, stream, request, raw_request, param_names)
+
+    def full_response(
+        self, request_id: str, final: RequestOutput, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse:
         completion = final.outputs[0]
         choice = ChatCompletionChoice(
             message=ChatResponseMessage(content=completion.text),
@@ -68,14 +57,13 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
-        response = ChatCompletionResponse(
+        return ChatCompletionResponse(
             id=request_id,
             model=self.served_model_name,
             choices=[choice],
             usage=self.usage(final),
             kv_transfer_params=self.kv_transfer_params(final, request),
         )
-        return JSONResponse(response.model_dump())
 
     def _render(self, request: ChatCompletionRequest) -> dict:
         """The prompt as text (for the output) and token ids. The template already holds any
@@ -92,30 +80,23 @@ class OpenAIServingChat(OpenAIServing):
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
-    async def _stream(
-        self, stream: RequestStream, request: ChatCompletionRequest, param_names: dict[str, str]
-    ) -> AsyncIterator[str]:
+    async def stream_chunks(
+        self, request_id: str, stream: RequestStream, request: ChatCompletionRequest
+    ) -> AsyncIterator[ChatCompletionStreamResponse]:
         role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        yield sse(self._chunk(stream.request_id, [role]))
+        yield self._chunk(request_id, [role])
         final = None
-        try:
-            async for delta in self.deltas(stream):
-                final = delta.output
-                if not delta.text and delta.finish_reason is None and delta.logprobs is None:
-                    continue  # text held back (a possible stop string) and nothing else to say
-                choice = ChatCompletionStreamChoice(
-                    delta=DeltaMessage(content=delta.text),
-                    logprobs=self._logprobs(delta.token_ids, delta.logprobs, request),
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield sse(self._chunk(stream.request_id, [choice]))
-        except (ValueError, EngineDeadError) as e:
-            yield sse_error(engine_error(e, param_names))
-        else:
-            if request.include_usage and final is not None:
-                yield sse(self._chunk(stream.request_id, [], usage=self.usage(final)))
-        yield SSE_DONE
+        async for delta in self.deltas(stream):
+            final = delta.output
+            choice = ChatCompletionStreamChoice(
+                delta=DeltaMessage(content=delta.text),
+                logprobs=self._logprobs(delta.token_ids, delta.logprobs, request),
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+            )
+            yield self._chunk(request_id, [choice])
+        if request.include_usage and final is not None:
+            yield self._chunk(request_id, [], usage=self.usage(final))
 
     def _chunk(
         self, request_id: str, choices: list[ChatCompletionStreamChoice], **kw

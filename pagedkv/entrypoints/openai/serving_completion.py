@@ -6,22 +6,16 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
 from fastapi import Response
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.engine.async_llm import EngineDeadError, RequestStream
+from pagedkv.engine.async_llm import RequestStream
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
 )
-from pagedkv.entrypoints.openai.serving_engine import (
-    SSE_DONE,
-    OpenAIServing,
-    engine_error,
-    sse,
-    sse_error,
-)
+from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
 
 #: OpenAI's default for the legacy completions endpoint.
 DEFAULT_MAX_TOKENS = 16
@@ -39,16 +33,11 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, max_tokens, request.logprobs, param_names)
         request_id = self.request_id(raw_request, "cmpl")
         stream = self.submit(request_id, request.prompt, params, request, param_names)
-        if request.stream:
-            return StreamingResponse(
-                self._stream(stream, request, param_names), media_type="text/event-stream"
-            )
-        try:
-            final = await self.final_output(stream, raw_request)
-        except (ValueError, EngineDeadError) as e:
-            raise engine_error(e, param_names) from None
-        if final is None:  # the client is gone
-            return Response(status_code=499)
+        return await self.respond(request_id, stream, request, raw_request, param_names)
+
+    def full_response(
+        self, request_id: str, final: RequestOutput, request: CompletionRequest
+    ) -> CompletionResponse:
         completion = final.outputs[0]
         choice = CompletionChoice(
             text=completion.text,
@@ -56,41 +45,33 @@ class OpenAIServingCompletion(OpenAIServing):
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
-        response = CompletionResponse(
+        return CompletionResponse(
             id=request_id,
             model=self.served_model_name,
             choices=[choice],
             usage=self.usage(final),
             kv_transfer_params=self.kv_transfer_params(final, request),
         )
-        return JSONResponse(response.model_dump())
 
-    async def _stream(
-        self, stream: RequestStream, request: CompletionRequest, param_names: dict[str, str]
-    ) -> AsyncIterator[str]:
+    async def stream_chunks(
+        self, request_id: str, stream: RequestStream, request: CompletionRequest
+    ) -> AsyncIterator[CompletionResponse]:
         text_offset = 0
         final = None
-        try:
-            async for delta in self.deltas(stream):
-                final = delta.output
-                if not delta.text and delta.finish_reason is None and delta.logprobs is None:
-                    continue  # text held back (a possible stop string) and nothing else to say
-                logprobs = self._logprobs(delta.token_ids, delta.logprobs, text_offset)
-                if logprobs is not None:
-                    text_offset += sum(map(len, logprobs.tokens))
-                choice = CompletionChoice(
-                    text=delta.text,
-                    logprobs=logprobs,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
-                )
-                yield sse(self._chunk(stream.request_id, [choice]))
-        except (ValueError, EngineDeadError) as e:
-            yield sse_error(engine_error(e, param_names))
-        else:
-            if request.include_usage and final is not None:
-                yield sse(self._chunk(stream.request_id, [], usage=self.usage(final)))
-        yield SSE_DONE
+        async for delta in self.deltas(stream):
+            final = delta.output
+            logprobs = self._logprobs(delta.token_ids, delta.logprobs, text_offset)
+            if logprobs is not None:
+                text_offset += sum(map(len, logprobs.tokens))
+            choice = CompletionChoice(
+                text=delta.text,
+                logprobs=logprobs,
+                finish_reason=delta.finish_reason,
+                stop_reason=delta.stop_reason,
+            )
+            yield self._chunk(request_id, [choice])
+        if request.include_usage and final is not None:
+            yield self._chunk(request_id, [], usage=self.usage(final))
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice], **kw) -> CompletionResponse:
         return CompletionResponse(

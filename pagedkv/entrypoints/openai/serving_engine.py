@@ -1,8 +1,9 @@
 """OpenAIServing: what the completions and chat endpoints share.
 
 Request ids, the model-name check, request fields -> SamplingParams, submitting to the engine
-(ValueError -> 400 naming the field), usage, and turning a request's cumulative outputs into
-deltas for streaming.
+(ValueError -> 400 naming the field), answering (a full response, or SSE chunks ending with an
+error event on failure and ``[DONE]``), usage, and turning a request's cumulative outputs into
+deltas for streaming. An endpoint builds its own bodies: ``full_response`` and ``stream_chunks``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from http import HTTPStatus
 from typing import NamedTuple
 
 from fastapi import Request as HTTPRequest
+from fastapi import Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
@@ -88,8 +91,8 @@ class OpenAIServing:
 
     @staticmethod
     def request_id(raw_request: HTTPRequest, prefix: str) -> str:
-        """``{prefix}-{X-Request-Id header or a random id}``: a client (a proxy, a load
-        generator) can choose the id and match responses to requests."""
+        """The response's id, ``{prefix}-{X-Request-Id header or a random id}``: a client (a
+        proxy, a load generator) can choose the id and match responses to requests."""
         return f"{prefix}-{raw_request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
 
     def check_model(self, request: SamplingRequest) -> None:
@@ -152,9 +155,12 @@ class OpenAIServing:
         request: SamplingRequest,
         param_names: dict[str, str],
     ) -> RequestStream:
+        """Submit under an engine id of its own, ``{request_id}-{random suffix}``: clients may
+        send the same X-Request-Id twice, and each request must still be its own in the engine
+        (never refused, nor aborted by the other's disconnection)."""
         try:
             return self.async_llm.add_request(
-                request_id,
+                f"{request_id}-{uuid.uuid4().hex[:8]}",
                 prompt,
                 params,
                 priority=request.priority,
@@ -163,6 +169,50 @@ class OpenAIServing:
             )
         except (ValueError, EngineDeadError) as e:
             raise engine_error(e, param_names) from None
+
+    async def respond(
+        self,
+        request_id: str,
+        stream: RequestStream,
+        request: SamplingRequest,
+        raw_request: HTTPRequest,
+        param_names: dict[str, str],
+    ) -> Response:
+        """Stream the answer as SSE, or wait for all of it (499 if the client goes first)."""
+        if request.stream:
+            chunks = self.stream_chunks(request_id, stream, request)
+            return StreamingResponse(self._sse(chunks, param_names), media_type="text/event-stream")
+        try:
+            final = await self.final_output(stream, raw_request)
+        except (ValueError, EngineDeadError) as e:
+            raise engine_error(e, param_names) from None
+        if final is None:  # the client is gone
+            return Response(status_code=499)
+        return JSONResponse(self.full_response(request_id, final, request).model_dump())
+
+    def full_response(
+        self, request_id: str, final: RequestOutput, request: SamplingRequest
+    ) -> BaseModel:
+        """The endpoint's non-streaming body."""
+        raise NotImplementedError
+
+    def stream_chunks(
+        self, request_id: str, stream: RequestStream, request: SamplingRequest
+    ) -> AsyncIterator[BaseModel]:
+        """The endpoint's streamed chunks, the usage chunk included."""
+        raise NotImplementedError
+
+    @staticmethod
+    async def _sse(
+        chunks: AsyncIterator[BaseModel], param_names: dict[str, str]
+    ) -> AsyncIterator[str]:
+        """Each chunk as an SSE event; a failed request ends with an error event; then [DONE]."""
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+        except (ValueError, EngineDeadError) as e:
+            yield sse_error(engine_error(e, param_names))
+        yield SSE_DONE
 
     @staticmethod
     async def final_output(stream: RequestStream, raw_request: HTTPRequest) -> RequestOutput | None:
@@ -194,18 +244,21 @@ class OpenAIServing:
     @staticmethod
     async def deltas(stream: RequestStream) -> AsyncIterator[Delta]:
         """Turn cumulative outputs into what each chunk adds. Text may lag behind tokens
-        (held back while it could still become a stop string)."""
+        (held back while it could still become a stop string): a delta with nothing to say is
+        skipped (never the last one, which has a finish reason)."""
         num_chars = num_tokens = 0
         async for output in stream:
             completion = output.outputs[0]
             logprobs = completion.logprobs
-            yield Delta(
+            delta = Delta(
                 text=completion.text[num_chars:],
                 token_ids=completion.token_ids[num_tokens:],
                 logprobs=logprobs[num_tokens:] if logprobs is not None else None,
                 output=output,
             )
             num_chars, num_tokens = len(completion.text), len(completion.token_ids)
+            if delta.text or delta.finish_reason is not None or delta.logprobs is not None:
+                yield delta
 
     @staticmethod
     def usage(output: RequestOutput) -> UsageInfo:
