@@ -30,9 +30,6 @@ class SendPool:
         self._entries: dict[str, PoolEntry] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def reserve(self, key: str, num_bytes: int) -> bool:
         """Claim room for ``key``'s copy; False (nothing changes) when it does not fit."""
         with self._lock:

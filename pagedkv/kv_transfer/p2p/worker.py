@@ -319,7 +319,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         if problem is not None:
             self._end_outbound(rec, REFUSED, problem)
             return
-        rec.state, rec.begun = SENDING, True
+        rec.state = SENDING
         stream = _Stream(rec, group, self._next_tag(), self._source_ids(rec))
         self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, stream.tag))
         if self.p2p_config.send_type == "PUT":
@@ -413,7 +413,6 @@ class P2pConnectorWorker(KVConnectorWorker):
             tag = self._next_tag()
             assert rec.peer is not None and rec.want is not None
             self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, tag))
-            rec.begun = True
             sender = self._block_sender(group, tag)
             for layer, source in enumerate(sources):  # held blocks or the pool: they stay put
                 g = self.layer_groups[layer]
