@@ -12,11 +12,14 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from pagedkv.kv_transfer.p2p import worker as p2p_worker
+from pagedkv.kv_transfer.p2p.connector import P2pConnectorMetadata, SendSpec
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
 from pagedkv.kv_transfer.p2p.pair_group import PairGroups
 from pagedkv.kv_transfer.p2p.protocol import (
     PROTOCOL_VERSION,
+    Cancel,
     Codec,
     Envelope,
     Heartbeat,
@@ -217,6 +220,8 @@ def test_a_full_send_pool_refuses_and_never_evicts() -> None:
     assert pool.get("a") is not None and pool.used_bytes == 60
     pool.pop("a")
     assert pool.used_bytes == 0 and pool.reserve("b", 60)
+    pool.pop("b")
+    assert not pool.fill("b", [])  # its transfer ended meanwhile: nothing to fill
 
 
 # ---------------------------------------------------------------------------- rendezvous
@@ -380,3 +385,50 @@ def test_listening_beyond_loopback_without_a_secret_is_warned_about(caplog) -> N
     assert not caplog.records
     warn_if_open(log, "the plane", "0.0.0.0", None)
     assert "without a shared secret" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the worker
+def p2p_worker_for(role: str, send_type: str = "PUT_ASYNC") -> p2p_worker.P2pConnectorWorker:
+    """A real connector worker on loopback: one layer, one KV cache group of 16 blocks of 4."""
+    from pagedkv.kv_cache.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
+    from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec
+    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
+    config = KVTransferConfig(
+        "P2pConnector", role, kv_port=free_port(),
+        kv_connector_extra_config={"send_type": send_type, "shared_secret": SECRET.decode()},
+    )  # fmt: skip
+    kv_cache_config = KVCacheConfig(16, (KVCacheGroupSpec(("layers.0",), spec),))
+    worker = p2p_worker.P2pConnectorWorker(config, kv_cache_config, "fp")
+    worker.register_kv_caches([torch.randn(2, 16, 4, 2, 8)])
+    return worker
+
+
+@pytest.mark.parametrize("end", ["cancel", "lease_expiry"])
+def test_a_get_transfer_ended_while_p_copies_it_to_the_pool_frees_its_blocks(end) -> None:
+    """GET: P copies a finished request's blocks into the pool on the engine thread, outside
+    the lock (reserve, gather, fill). D's CANCEL (listener) or the lease expiring (maintenance)
+    in between pops the reserved entry: fill once raised KeyError out of start_load_kv."""
+    p = p2p_worker_for("kv_producer", send_type="GET")
+
+    class EndedWhileCopying(SendPool):
+        def reserve(self, key: str, num_bytes: int) -> bool:
+            reserved = super().reserve(key, num_bytes)
+            if end == "cancel":
+                p._on_cancel(PeerAddr("D", "127.0.0.1", 1), Cancel(key, "client gone"))
+            else:
+                with p._lock:
+                    p._expire_leases(time.monotonic() + 2 * p._leases.lease_s)
+            return reserved
+
+    try:
+        pool = p._pool = EndedWhileCopying(capacity_bytes=1 << 20)
+        hold = SendSpec("r1", "t1", 10, "h", ([3, 5, 7],), None)
+        p.bind_connector_metadata(P2pConnectorMetadata(holds=[hold]))
+        p.start_load_kv()
+        assert p.get_finished().finished_sending == {"r1"}  # its blocks, freed once
+        assert pool.get("t1") is None and pool.used_bytes == 0 and not p._outbound
+        assert "t1" in p._ended
+    finally:
+        p.shutdown()

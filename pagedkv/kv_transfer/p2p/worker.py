@@ -483,7 +483,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             gather_blocks(cache, ids[self.layer_groups[layer]])
             for layer, cache in enumerate(self.kv_caches)
         ]
-        self._pool.fill(rec.transfer_id, copies)
+        if not self._pool.fill(rec.transfer_id, copies):
+            return  # ended meanwhile (CANCEL, lease expiry): that freed its room and its blocks
         with self._lock:
             if rec.state.is_terminal:  # cancelled meanwhile
                 self._pool.pop(rec.transfer_id)
