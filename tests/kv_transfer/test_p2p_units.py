@@ -3,8 +3,10 @@ rendezvous store, pair groups and the chunked data path."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -13,21 +15,24 @@ import torch.distributed as dist
 import zmq
 
 from pagedkv.kv_transfer.p2p import worker as p2p_worker
-from pagedkv.kv_transfer.p2p.connector import P2pConnectorMetadata, SendSpec
+from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
-from pagedkv.kv_transfer.p2p.pair_group import PairGroups
+from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
 from pagedkv.kv_transfer.p2p.protocol import (
     PROTOCOL_VERSION,
     Cancel,
     Codec,
+    Done,
     Envelope,
     Heartbeat,
     Hello,
+    Nack,
     PeerAddr,
     ProtocolError,
     StoreSet,
     Want,
+    XferBegin,
 )
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.store import PairStore
@@ -38,6 +43,7 @@ from pagedkv.kv_transfer.p2p.transfer import (
     receive_layers,
     runs,
 )
+from pagedkv.kv_transfer.p2p.transfer_state import Inbound, Outbound, TransferState
 from tests.kv_transfer.engine_host import free_port
 
 SECRET = b"unit-secret"
@@ -430,5 +436,59 @@ def test_a_get_transfer_ended_while_p_copies_it_to_the_pool_frees_its_blocks(end
         assert p.get_finished().finished_sending == {"r1"}  # its blocks, freed once
         assert pool.get("t1") is None and pool.used_bytes == 0 and not p._outbound
         assert "t1" in p._ended
+    finally:
+        p.shutdown()
+
+
+@pytest.fixture
+def peer() -> Iterator[tuple[PeerAddr, queue.Queue]]:
+    """A bare control plane as the other side: (its address, the DONEs and NACKs it hears)."""
+    heard: queue.Queue = queue.Queue()
+    address = PeerAddr("peer", "127.0.0.1", free_port())
+    plane = ControlPlane(codec(), address, {Done: lambda _, m: heard.put(m),
+                                             Nack: lambda _, m: heard.put(m)})  # fmt: skip
+    plane.start()
+    yield address, heard
+    plane.close()
+
+
+def test_an_error_before_a_receive_starts_still_ends_the_load(peer) -> None:
+    """_receive runs on a pool whose Future swallows exceptions: one raised while it set up
+    (before its try) once left the load RECEIVING for good, so its cancel was a no-op and D's
+    request waited for its deadline. Now the load fails, is reported once, and P hears DONE."""
+    address, heard = peer
+    d = p2p_worker_for("kv_consumer")
+    try:
+        spec = LoadSpec("r1", "t1", address, None, 12, "h", ([0, 5, 6],), [[1, 2]])
+        rec = Inbound(spec)  # never planned (no segments): building the receive raises
+        with d._lock:
+            d._inbound["r1"] = d._inbound_by_tid["t1"] = rec
+        d._on_xfer_begin(address, XferBegin("t1", "g", 1))
+        wait_until(lambda: rec.state.is_terminal)
+        assert rec.state is TransferState.FAILED
+        finished = d.get_finished()  # reported under the lock that ended it
+        assert finished.finished_recving == {"r1"} and finished.invalid_block_ids == {5, 6}
+        done = heard.get(timeout=5)
+        assert isinstance(done, Done) and done.transfer_id == "t1" and not done.ok
+    finally:
+        d.shutdown()
+
+
+def test_an_error_before_a_stream_send_starts_still_ends_the_send(peer) -> None:
+    """_send_stream (PUT_ASYNC) runs on a pool whose Future swallows exceptions: its sender was
+    built before its try, so an error there left the send SENDING for good. Now it fails, and
+    D hears a NACK (group lost)."""
+    address, heard = peer
+    p = p2p_worker_for("kv_producer")
+    try:
+        want = Want("t1", "g", 8, "h", [[0, 1]], [[2]])
+        rec = Outbound("t1", TransferState.SENDING, want, address)
+        never_set_up = PairGroup(address, "g", 0, PairStore(lambda k, v: None, 1))  # no gloo
+        with p._lock:
+            p._outbound["t1"] = rec
+        p._senders.submit(p._send_stream, p2p_worker._Stream(rec, never_set_up, 1, [])).result(5)
+        assert rec.state is TransferState.FAILED and "t1" not in p._outbound
+        nack = heard.get(timeout=5)
+        assert isinstance(nack, Nack) and nack.transfer_id == "t1" and nack.group_lost
     finally:
         p.shutdown()

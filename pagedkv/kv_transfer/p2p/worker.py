@@ -426,9 +426,9 @@ class P2pConnectorWorker(KVConnectorWorker):
     def _send_stream(self, stream: _Stream) -> None:
         """PUT_ASYNC: send the pieces ``save_kv_layer`` queues, as the forward produces them."""
         rec = stream.rec
-        sender = self._block_sender(stream.group, stream.tag)
-        num_messages = sum(2 * len(stream.segments[g]) for g in self.layer_groups)
-        try:
+        try:  # on the send pool, whose Future swallows exceptions: every error ends the send
+            sender = self._block_sender(stream.group, stream.tag)
+            num_messages = sum(2 * len(stream.segments[g]) for g in self.layer_groups)
             for _ in range(num_messages):
                 sender.send(stream.pieces.get(timeout=self.p2p_config.transfer_timeout_s))
             sender.finish()
@@ -699,18 +699,19 @@ class P2pConnectorWorker(KVConnectorWorker):
             self._receivers.submit(self._receive, rec, begin)
 
     def _receive(self, rec: Inbound, begin: XferBegin) -> None:
+        """On the receive pool, whose Future swallows exceptions: every error ends the load."""
         spec = rec.spec
         assert spec.remote is not None
-        targets = self._target_ids(spec)
-        layers = [
-            LayerBlocks(cache, targets[g], rec.segments[g])
-            for cache, g in zip(self.kv_caches, self.layer_groups)
-        ]
         p2p = self.p2p_config
         with self._lock:  # a load cancelled before its data began is drained, never stored
             draining = self._inbound_by_tid.get(spec.transfer_id) is not rec
         num_bytes, error = 0, None
         try:
+            targets = self._target_ids(spec)
+            layers = [
+                LayerBlocks(cache, targets[g], rec.segments[g])
+                for cache, g in zip(self.kv_caches, self.layer_groups)
+            ]
             group = self.groups.get(spec.remote.engine_id)
             if group is None or group.name != begin.group:
                 raise TransferError(f"pair group {begin.group[:8]} is gone")
