@@ -492,3 +492,40 @@ def test_an_error_before_a_stream_send_starts_still_ends_the_send(peer) -> None:
         assert isinstance(nack, Nack) and nack.transfer_id == "t1" and nack.group_lost
     finally:
         p.shutdown()
+
+
+def test_wants_before_p_has_the_kv_cost_bounded_records(monkeypatch) -> None:
+    """A WANT that comes before P's request reaches its KV is kept in a record for a lease.
+    Such records are capped (NACKed past the cap), and a WANT too big for any prompt is
+    refused before it is kept: a flood of WANTs for made-up transfers costs bounded memory."""
+    monkeypatch.setattr(p2p_worker, "MAX_EARLY_WANTS", 8)
+    p = p2p_worker_for("kv_producer")
+    nacks: queue.Queue = queue.Queue()
+    groups: list[PairGroups] = []
+    address = PeerAddr("D", "127.0.0.1", free_port())
+    d = ControlPlane(
+        codec(),
+        address,
+        {
+            Nack: lambda _, m: nacks.put(m),
+            Hello: lambda peer, m: groups[0].on_hello(peer, m),
+            StoreSet: lambda peer, m: groups[0].on_store_set(peer, m),
+        },
+    )
+    groups.append(PairGroups(address, d.send, setup_timeout_s=10, op_timeout_s=10))
+    d.start()
+    try:
+        group = groups[0].ensure(p.me)  # its Hello reaches P before the WANTs
+        for i in range(20):
+            d.send(p.me, Want(f"t{i}", group.name, 8, "h", [[0, 1]], [[2]]))
+        d.send(p.me, Want("huge", group.name, 8, "h", [list(range(1000))], [[1000]]))
+        refused = [nacks.get(timeout=10) for _ in range(13)]
+        assert [n.transfer_id for n in refused] == [f"t{i}" for i in range(8, 20)] + ["huge"]
+        assert all("8 transfers already wait for P's KV" in n.reason for n in refused[:-1])
+        assert "more blocks than its prompt has" in refused[-1].reason
+        with p._lock:
+            assert sorted(p._outbound) == sorted(f"t{i}" for i in range(8))
+    finally:
+        p.shutdown()
+        groups[0].close()
+        d.close()

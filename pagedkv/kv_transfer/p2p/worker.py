@@ -90,6 +90,10 @@ MAX_MESSAGE_BYTES = 256 << 20
 #: Ended transfers remembered (P), oldest forgotten first: a flood of CANCELs for made-up
 #: transfer ids costs bounded memory.
 MAX_TOMBSTONES = 1 << 16
+#: Transfers D asked for before P's request got to its KV (records without a spec), at most:
+#: each holds its decoded WANT for a lease, so a flood of WANTs costs bounded memory. Honest
+#: ones are bounded by the loads the D instances admit (max_num_seqs each, 256 by default).
+MAX_EARLY_WANTS = 4096
 
 
 class TransferError(RuntimeError):
@@ -546,7 +550,17 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._tombstone(want.transfer_id, why)
                 self.control.send(peer, Nack(want.transfer_id, why, group_lost=True))
                 return
-            rec = self._record(want.transfer_id)
+            rec = self._outbound.get(want.transfer_id)
+            if rec is None:  # before P's request got to its KV: kept for a lease, so bounded
+                problem = self._want_size_problem(want)
+                if problem is None and self._early_wants_full():
+                    problem = f"{MAX_EARLY_WANTS} transfers already wait for P's KV"
+                if problem is not None:
+                    why = f"refused: {problem}"
+                    self._tombstone(want.transfer_id, why)
+                    self.control.send(peer, Nack(want.transfer_id, why))
+                    return
+                rec = self._record(want.transfer_id)
             if rec.want is not None:
                 if rec.peer != peer:
                     self.control.send(peer, Nack(want.transfer_id, "claimed by another D"))
@@ -554,6 +568,26 @@ class P2pConnectorWorker(KVConnectorWorker):
             rec.want, rec.peer = want, peer
             self._leases.renew(want.transfer_id)
             self._maybe_start(rec)
+
+    def _want_size_problem(self, want: Want) -> str | None:
+        """Why a WANT is too big to be any request's (None: it may be one), checked before a
+        record keeps it; what it asks for is checked against the KV by ``_want_problem``."""
+        if len(want.block_indices) != self.num_groups or len(want.segments) != self.num_groups:
+            return "KV cache group count mismatch"
+        most = min(cdiv(want.num_prompt_tokens, self.block_size), self.kv_cache_config.num_blocks)
+        if any(
+            len(indices) > most or len(segments) > len(indices)
+            for indices, segments in zip(want.block_indices, want.segments)
+        ):
+            return "WANT names more blocks than its prompt has"
+        return None
+
+    def _early_wants_full(self) -> bool:
+        """MAX_EARLY_WANTS records were made by WANTs before P's request got to its KV (lock
+        held; counted only when there may be that many)."""
+        return len(self._outbound) >= MAX_EARLY_WANTS and (
+            sum(rec.spec is None for rec in self._outbound.values()) >= MAX_EARLY_WANTS
+        )
 
     def _on_done(self, peer: PeerAddr, done: Done) -> None:
         self._heard(peer)
