@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.entrypoints.proxy.app import ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.app import PDProxy, ProxyConfig, build_proxy_app
 from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register, RegistrationClient
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
@@ -23,7 +23,8 @@ from tests.kv_transfer.engine_host import free_port
 
 
 def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:
-    """A P or D that answers ``behaviour``: ok | error500 | error400 | hang | die_mid_stream."""
+    """A P or D that answers ``behaviour``: ok | error500 | error400 | hang | die_mid_stream.
+    A hanging one notes when the proxy closes the connection (a real instance aborts then)."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -37,7 +38,11 @@ def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:
         if behaviour == "error400":
             return JSONResponse({"error": {"message": "prompt too long"}}, status_code=400)
         if behaviour == "hang":
-            await asyncio.sleep(30)
+            for _ in range(600):
+                if await request.is_disconnected():
+                    seen[-1]["disconnected"] = True
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.05)
         if "do_remote_prefill" in body.get("kv_transfer_params", {}):
             await asyncio.sleep(0.3)  # a real D answers once P's KV has arrived
         text = {"choices": [{"text": " w1", "finish_reason": None}]}
@@ -126,6 +131,13 @@ def proxy_with() -> Iterator:
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 
 
+def wait_until(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
 def test_a_failing_prefill_is_retried_on_another_pair_with_a_fresh_transfer(proxy_with):
     client, seen = proxy_with(
         {"p-bad": ("kv_producer", "error500"), "p-good": ("kv_producer", "ok"),
@@ -189,3 +201,54 @@ def test_clients_authenticate_to_the_proxy_and_the_proxy_to_the_instances(proxy_
     r = client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer client-key"})
     assert r.status_code == 200
     assert [b["authorization"] for b in seen["p"] + seen["d"]] == ["Bearer upstream-key"] * 2
+
+
+def test_a_decode_refusing_the_request_cancels_the_prefill(proxy_with):
+    """D answers a 4xx while P still prefills: the client gets D's answer and P's request is
+    cancelled (it once ran on, and P held the blocks until the lease expired)."""
+    client, seen = proxy_with(
+        {"p": ("kv_producer", "hang"), "d": ("kv_consumer", "error400")}, request_timeout_s=30
+    )
+    assert client.post("/v1/completions", json=BODY).status_code == 400
+    wait_until(lambda: seen["p"] and seen["p"][0].get("disconnected"))
+    wait_until(lambda: client.get("/instances").json()["in_flight"] == {})
+
+
+def test_an_attempt_cancelled_midway_cancels_both_halves():
+    """The attempt cancelled while P and D both still work (the client gone): both upstream
+    requests are closed, so each instance aborts and frees, and nothing stays in flight. Both
+    once ran on, D's answer opened and counted in flight forever."""
+    registry_port = free_port()
+    registry = InstanceRegistry("127.0.0.1", registry_port, None, timeout_s=5)
+    registry.start()
+    upstreams = Upstreams(registry_port)
+    router = Router(registry)
+    proxy = PDProxy(registry, router, ProxyConfig(request_timeout_s=30))
+
+    async def cancel_midway() -> None:
+        import httpx
+
+        proxy.client = httpx.AsyncClient()
+        pair = router.pick_pair()
+        assert pair is not None
+        body = {**BODY, "stream": True}
+        attempt = asyncio.create_task(proxy._attempt("/v1/completions", body, *pair, True, None))
+        for _ in range(500):
+            if upstreams.seen["p"] and upstreams.seen["d"]:
+                break
+            await asyncio.sleep(0.02)
+        attempt.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await attempt
+        assert not router.in_flight
+        await proxy.client.aclose()
+
+    try:
+        upstreams.add("p", "kv_producer", "hang")
+        upstreams.add("d", "kv_consumer", "hang")
+        wait_until(lambda: len(registry.live()) == 2)
+        asyncio.run(cancel_midway())
+        wait_until(lambda: all(upstreams.seen[n][0].get("disconnected") for n in ("p", "d")))
+    finally:
+        upstreams.close()
+        registry.close()

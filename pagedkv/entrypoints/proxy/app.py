@@ -18,7 +18,7 @@ a retry on another pair with a fresh transfer id (the other half is cancelled, s
 aborts and frees); an instance that refused the connection is dropped from the registry until
 its next heartbeat. After that first byte, a failure ends the stream with an error event. No
 live pair, or every attempt failed: 503. A 4xx from either side is the client's error and is
-returned as is.
+returned as is (the other half is cancelled). An attempt cancelled midway cancels both halves.
 """
 
 from __future__ import annotations
@@ -176,19 +176,29 @@ class PDProxy:
         d_task = asyncio.create_task(
             self._open_decode(d, path, decode_body, decode_headers, stream)
         )
-        await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-        if not d_task.done() and p_task.exception() is not None:
-            d_task.cancel()  # D would wait for KV that never comes: stop it, retry elsewhere
-            await asyncio.gather(d_task, return_exceptions=True)
-            raise p_task.exception()  # type: ignore[misc]
         try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not d_task.done() and p_task.exception() is not None:
+                # D would wait for KV that never comes: stop it, retry elsewhere
+                raise p_task.exception()  # type: ignore[misc]
             opened = await d_task
-        except BaseException:
-            p_task.cancel()  # P aborts and frees what it computed
-            await asyncio.gather(p_task, return_exceptions=True)
+        except BaseException:  # a failure, or cancelled (the client is gone)
+            await self._abandon(d, p_task, d_task)
             raise
+        if opened.response.status_code != 200:
+            p_task.cancel()  # D refused the request: nobody will pull P's KV
         p_task.add_done_callback(_log_late_prefill_failure)
         return self._relay(d, opened)
+
+    async def _abandon(self, d: Instance, p_task: asyncio.Task, d_task: asyncio.Task) -> None:
+        """Cancel both halves (P and D see their connection closed: each aborts and frees).
+        A D answer already opened (done just as we were cancelled) is closed here."""
+        p_task.cancel()
+        d_task.cancel()
+        await asyncio.gather(p_task, d_task, return_exceptions=True)
+        if not d_task.cancelled() and d_task.exception() is None:
+            await d_task.result().response.aclose()
+            self.router.release(d)
 
     async def _prefill(self, p: Instance, path: str, body: dict, headers: dict) -> None:
         assert self.client is not None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.protocol import MAX_ENGINE_ID_LEN, PeerAddr, check_host
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr, check_engine_id, check_host, check_port
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -65,24 +65,19 @@ def transfer_id_of(params: dict[str, Any]) -> str:
 
 
 def remote_peer(params: dict[str, Any]) -> PeerAddr:
-    """P's KV address from a consumer's kv_transfer_params; ValueError names a bad field."""
-    host, port, engine_id = (
-        params.get("remote_host"),
-        params.get("remote_port"),
-        params.get("remote_engine_id"),
+    """P's KV address from a consumer's kv_transfer_params; ValueError names a bad field.
+    Each field gets the check PeerAddr makes on it (types included)."""
+    fields = (
+        ("remote_engine_id", check_engine_id),
+        ("remote_host", check_host),
+        ("remote_port", check_port),
     )
-    try:
-        check_host(host)  # type: ignore[arg-type]
-    except ValueError:
-        raise ValueError("kv_transfer_params.remote_host must be a host name or address") from None
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError("kv_transfer_params.remote_port must be a port number")
-    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN:
-        raise ValueError(
-            f"kv_transfer_params.remote_engine_id must be a string of 1 to {MAX_ENGINE_ID_LEN} "
-            "characters"
-        )
-    return PeerAddr(engine_id, host, port)  # type: ignore[arg-type]
+    for name, check in fields:
+        try:
+            check(params.get(name))
+        except ValueError as e:
+            raise ValueError(f"kv_transfer_params.{name}: {e}") from None
+    return PeerAddr(*(params[name] for name, _ in fields))
 
 
 class RemoteLoad(NamedTuple):

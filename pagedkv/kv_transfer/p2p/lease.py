@@ -17,12 +17,6 @@ class LeaseTable:
         self.lease_s = lease_s
         self._deadlines: dict[str, float] = {}
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._deadlines
-
-    def __len__(self) -> int:
-        return len(self._deadlines)
-
     def grant(self, key: str, now: float | None = None) -> None:
         """Start (or restart) ``key``'s lease."""
         self._deadlines[key] = (time.monotonic() if now is None else now) + self.lease_s

@@ -48,6 +48,16 @@ def check_host(host: str) -> None:
         raise ValueError(f"host must be an IP address or a host name, got {host!r:.80}")
 
 
+def check_engine_id(engine_id: str) -> None:
+    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= MAX_ENGINE_ID_LEN:
+        raise ValueError(f"engine id must be a string of 1 to {MAX_ENGINE_ID_LEN} characters")
+
+
+def check_port(port: int) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"port must be an integer in 1..65535, got {port!r:.80}")
+
+
 def is_loopback(host: str) -> bool:
     """``host`` only reaches this machine (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
@@ -80,11 +90,9 @@ class PeerAddr(msgspec.Struct, frozen=True, array_like=True):
     port: int
 
     def __post_init__(self) -> None:
-        if not 0 < len(self.engine_id) <= MAX_ENGINE_ID_LEN:
-            raise ValueError(f"engine id must be 1 to {MAX_ENGINE_ID_LEN} characters")
+        check_engine_id(self.engine_id)
         check_host(self.host)
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        check_port(self.port)
 
     @property
     def endpoint(self) -> str:

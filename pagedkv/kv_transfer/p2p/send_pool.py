@@ -30,9 +30,6 @@ class SendPool:
         self._entries: dict[str, PoolEntry] = {}
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def reserve(self, key: str, num_bytes: int) -> bool:
         """Claim room for ``key``'s copy; False (nothing changes) when it does not fit."""
         with self._lock:
@@ -42,9 +39,15 @@ class SendPool:
             self._entries[key] = PoolEntry([], num_bytes)
             return True
 
-    def fill(self, key: str, layers: list[torch.Tensor]) -> None:
+    def fill(self, key: str, layers: list[torch.Tensor]) -> bool:
+        """Store ``key``'s copy in its reserved room; False if the entry is gone meanwhile
+        (the transfer ended: popped by DONE, CANCEL or lease expiry)."""
         with self._lock:
-            self._entries[key].layers = layers
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            entry.layers = layers
+            return True
 
     def get(self, key: str) -> PoolEntry | None:
         with self._lock:

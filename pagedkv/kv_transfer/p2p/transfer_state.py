@@ -62,8 +62,6 @@ class Outbound:
     held: bool | None = None
     released: bool = False
     pooled: bool = False
-    #: XFER_BEGIN went out: from then on D learns of a failure from the data path itself.
-    begun: bool = False
     #: D's verdict (DONE/CANCEL) when it arrives while P is still sending.
     peer_result: tuple[bool, str] | None = None
 

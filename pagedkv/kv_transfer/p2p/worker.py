@@ -90,6 +90,10 @@ MAX_MESSAGE_BYTES = 256 << 20
 #: Ended transfers remembered (P), oldest forgotten first: a flood of CANCELs for made-up
 #: transfer ids costs bounded memory.
 MAX_TOMBSTONES = 1 << 16
+#: Transfers D asked for before P's request got to its KV (records without a spec), at most:
+#: each holds its decoded WANT for a lease, so a flood of WANTs costs bounded memory. Honest
+#: ones are bounded by the loads the D instances admit (max_num_seqs each, 256 by default).
+MAX_EARLY_WANTS = 4096
 
 
 class TransferError(RuntimeError):
@@ -319,7 +323,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         if problem is not None:
             self._end_outbound(rec, REFUSED, problem)
             return
-        rec.state, rec.begun = SENDING, True
+        rec.state = SENDING
         stream = _Stream(rec, group, self._next_tag(), self._source_ids(rec))
         self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, stream.tag))
         if self.p2p_config.send_type == "PUT":
@@ -413,7 +417,6 @@ class P2pConnectorWorker(KVConnectorWorker):
             tag = self._next_tag()
             assert rec.peer is not None and rec.want is not None
             self.control.send(rec.peer, XferBegin(rec.transfer_id, group.name, tag))
-            rec.begun = True
             sender = self._block_sender(group, tag)
             for layer, source in enumerate(sources):  # held blocks or the pool: they stay put
                 g = self.layer_groups[layer]
@@ -427,9 +430,9 @@ class P2pConnectorWorker(KVConnectorWorker):
     def _send_stream(self, stream: _Stream) -> None:
         """PUT_ASYNC: send the pieces ``save_kv_layer`` queues, as the forward produces them."""
         rec = stream.rec
-        sender = self._block_sender(stream.group, stream.tag)
-        num_messages = sum(2 * len(stream.segments[g]) for g in self.layer_groups)
-        try:
+        try:  # on the send pool, whose Future swallows exceptions: every error ends the send
+            sender = self._block_sender(stream.group, stream.tag)
+            num_messages = sum(2 * len(stream.segments[g]) for g in self.layer_groups)
             for _ in range(num_messages):
                 sender.send(stream.pieces.get(timeout=self.p2p_config.transfer_timeout_s))
             sender.finish()
@@ -484,7 +487,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             gather_blocks(cache, ids[self.layer_groups[layer]])
             for layer, cache in enumerate(self.kv_caches)
         ]
-        self._pool.fill(rec.transfer_id, copies)
+        if not self._pool.fill(rec.transfer_id, copies):
+            return  # ended meanwhile (CANCEL, lease expiry): that freed its room and its blocks
         with self._lock:
             if rec.state.is_terminal:  # cancelled meanwhile
                 self._pool.pop(rec.transfer_id)
@@ -546,7 +550,17 @@ class P2pConnectorWorker(KVConnectorWorker):
                 self._tombstone(want.transfer_id, why)
                 self.control.send(peer, Nack(want.transfer_id, why, group_lost=True))
                 return
-            rec = self._record(want.transfer_id)
+            rec = self._outbound.get(want.transfer_id)
+            if rec is None:  # before P's request got to its KV: kept for a lease, so bounded
+                problem = self._want_size_problem(want)
+                if problem is None and self._early_wants_full():
+                    problem = f"{MAX_EARLY_WANTS} transfers already wait for P's KV"
+                if problem is not None:
+                    why = f"refused: {problem}"
+                    self._tombstone(want.transfer_id, why)
+                    self.control.send(peer, Nack(want.transfer_id, why))
+                    return
+                rec = self._record(want.transfer_id)
             if rec.want is not None:
                 if rec.peer != peer:
                     self.control.send(peer, Nack(want.transfer_id, "claimed by another D"))
@@ -554,6 +568,26 @@ class P2pConnectorWorker(KVConnectorWorker):
             rec.want, rec.peer = want, peer
             self._leases.renew(want.transfer_id)
             self._maybe_start(rec)
+
+    def _want_size_problem(self, want: Want) -> str | None:
+        """Why a WANT is too big to be any request's (None: it may be one), checked before a
+        record keeps it; what it asks for is checked against the KV by ``_want_problem``."""
+        if len(want.block_indices) != self.num_groups or len(want.segments) != self.num_groups:
+            return "KV cache group count mismatch"
+        most = min(cdiv(want.num_prompt_tokens, self.block_size), self.kv_cache_config.num_blocks)
+        if any(
+            len(indices) > most or len(segments) > len(indices)
+            for indices, segments in zip(want.block_indices, want.segments)
+        ):
+            return "WANT names more blocks than its prompt has"
+        return None
+
+    def _early_wants_full(self) -> bool:
+        """MAX_EARLY_WANTS records were made by WANTs before P's request got to its KV (lock
+        held; counted only when there may be that many)."""
+        return len(self._outbound) >= MAX_EARLY_WANTS and (
+            sum(rec.spec is None for rec in self._outbound.values()) >= MAX_EARLY_WANTS
+        )
 
     def _on_done(self, peer: PeerAddr, done: Done) -> None:
         self._heard(peer)
@@ -699,18 +733,19 @@ class P2pConnectorWorker(KVConnectorWorker):
             self._receivers.submit(self._receive, rec, begin)
 
     def _receive(self, rec: Inbound, begin: XferBegin) -> None:
+        """On the receive pool, whose Future swallows exceptions: every error ends the load."""
         spec = rec.spec
         assert spec.remote is not None
-        targets = self._target_ids(spec)
-        layers = [
-            LayerBlocks(cache, targets[g], rec.segments[g])
-            for cache, g in zip(self.kv_caches, self.layer_groups)
-        ]
         p2p = self.p2p_config
         with self._lock:  # a load cancelled before its data began is drained, never stored
             draining = self._inbound_by_tid.get(spec.transfer_id) is not rec
         num_bytes, error = 0, None
         try:
+            targets = self._target_ids(spec)
+            layers = [
+                LayerBlocks(cache, targets[g], rec.segments[g])
+                for cache, g in zip(self.kv_caches, self.layer_groups)
+            ]
             group = self.groups.get(spec.remote.engine_id)
             if group is None or group.name != begin.group:
                 raise TransferError(f"pair group {begin.group[:8]} is gone")
