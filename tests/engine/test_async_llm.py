@@ -99,7 +99,7 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_llm) -> None:
             if len(output.outputs[0].token_ids) >= 2:
                 assert stat_logger.stats.kv_cache_usage > 0
                 break
-        for _ in range(100):
+        for _ in range(3000):
             if stat_logger.finished:
                 break
             await asyncio.sleep(0.01)
@@ -114,7 +114,7 @@ def test_idle_engine_thread_does_not_spin(async_llm) -> None:
     asyncio.run(collect(async_llm.generate([1, 2, 3], GREEDY)))
     start = time.process_time()
     time.sleep(0.5)
-    assert time.process_time() - start < 0.05
+    assert time.process_time() - start < 0.1  # polling every millisecond costs far more
 
 
 def test_shutdown_ends_streams_with_engine_dead_error(async_llm) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,17 @@ from pagedkv.kv_transfer.store.config import StoreConfig
 from tests.engine.conftest import assert_all_blocks_free, checkpoint  # noqa: F401 (fixture)
 
 REDIS_SERVER = shutil.which("redis-server")
+
+
+def require_redis_server() -> None:
+    """Skip without redis-server, except in CI (``PAGEDKV_REQUIRE_REDIS=1``, set by
+    ``.ci/run``), where a missing server must fail the run rather than skip its tests."""
+    if REDIS_SERVER is not None:
+        return
+    message = "redis-server is not installed (apt-get install redis-server)"
+    if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 def free_port() -> int:
@@ -79,8 +91,7 @@ class RedisServer:
 
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     server = RedisServer(free_port())
     server.start()
     try:

@@ -63,7 +63,7 @@ def test_a_silent_store_costs_one_timeout_then_fails_fast() -> None:
         for _ in range(10):
             with pytest.raises(StoreUnavailable, match="retrying in"):
                 backend.get_many(["k"])
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 1  # ten waits for the timeout would take 3 s
         backend.close()
 
 

@@ -186,10 +186,9 @@ def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
 def test_redis_lru_eviction_bounds_memory_and_evicted_blocks_are_misses(make_llm):
     """redis-server with maxmemory + allkeys-lru: the store stays bounded, and the blocks it
     evicted are recomputed by the instance that looks for them."""
-    from tests.kv_transfer.store.conftest import REDIS_SERVER, RedisServer, free_port
+    from tests.kv_transfer.store.conftest import RedisServer, free_port, require_redis_server
 
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     server = RedisServer(free_port(), "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
     server.start()
     try:
@@ -250,26 +249,31 @@ def test_a_load_stuck_in_the_store_ends_by_abort_or_deadline(ending, redis_serve
     a.generate([prompt], GREEDY, use_tqdm=False)
     _, worker = connector_halves(b)
     get_many = worker.backend.get_many
-    fetching = threading.Event()
+    fetching, release = threading.Event(), threading.Event()
 
     def stuck_get_many(keys):
         fetching.set()
-        time.sleep(1.0)  # stands in for a slow store; a real one is bounded by timeout_s
+        release.wait(30)  # stands in for a slow store; a real one is bounded by timeout_s
         return get_many(keys)
 
     worker.backend.get_many = stuck_get_many
     engine = b.llm_engine
     rid = engine.add_request(None, prompt, GREEDY)
-    engine.step()
+    engine.step()  # admitted: the load's deadline is at most 0.3 s from now
+    load_deadline = time.monotonic() + 0.3
     assert fetching.wait(timeout=10)
     if ending == "abort":
         engine.abort_request(rid)
         assert engine.kv_cache_manager.usage > 0  # held: the fetch may still land
+        release.set()
     outs = {}
     deadline = time.monotonic() + 30
     while engine.has_unfinished_requests():
         assert time.monotonic() < deadline
+        past_load_deadline = time.monotonic() > load_deadline
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        if past_load_deadline:  # that step cancelled the overdue load: the fetch may end
+            release.set()
     assert worker.stats.num_load_cancelled == 4 and worker.stats.num_blocks_loaded == 0
     if ending == "deadline":  # the load failed at its deadline: recomputed, output exact
         assert outs[rid].outputs[0].token_ids == expected

@@ -10,15 +10,19 @@ from types import SimpleNamespace
 import pytest
 
 from tests.kv_transfer.conftest import Cluster, complete, total
-from tests.kv_transfer.store.conftest import REDIS_SERVER, RedisServer, free_port, store_kv_config
+from tests.kv_transfer.store.conftest import (
+    RedisServer,
+    free_port,
+    require_redis_server,
+    store_kv_config,
+)
 from tests.load_check import assert_at_rest, short_load
 from tests.tiny_models import random_prompt
 
 
 @pytest.fixture(scope="module")
 def store_pair(tiny_model, tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_redis_server()
     redis = RedisServer(free_port())
     redis.start()
     cluster = Cluster(tiny_model, tmp_path_factory.mktemp("store-http"))
