@@ -218,6 +218,8 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}, "

@@ -13,6 +13,7 @@ instances can use them as keys.
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 
@@ -53,9 +54,12 @@ def _encode_extra_key(tag: bytes, value: str) -> bytes:
 def token_ids_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32, the fixed-width form every hash input uses."""
     try:
-        return array("I", token_ids).tobytes()
+        words = array("I", token_ids)
     except (OverflowError, TypeError) as e:
         raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
+    if sys.byteorder == "big":  # the same bytes, hence the same hashes, on every machine
+        words.byteswap()
+    return words.tobytes()
 
 
 class BlockHasher:

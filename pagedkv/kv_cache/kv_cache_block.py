@@ -24,6 +24,3 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     is_null: bool = False
-
-    def reset_hash(self) -> None:
-        self.block_hash = None

@@ -27,9 +27,6 @@ class KVCacheBlocks:
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks)))
-
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in group] for group in self.blocks)
 
@@ -94,7 +91,7 @@ class KVCacheManager:
         can cost a whole block, since hits are block-aligned). Reference counts are untouched
         until ``allocate_slots`` adopts the blocks, which must happen in the same step.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.num_tokens <= 1:
             return self.empty_kv_cache_blocks, 0
         blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1

@@ -152,6 +152,8 @@ def test_bad_prompts_are_rejected(make_llm) -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             engine.add_request(None, prompt, SamplingParams())
+    with pytest.raises(ValueError, match="cache_salt"):  # vLLM: a salt is a non-empty string
+        engine.add_request(None, [5, 6], SamplingParams(), cache_salt="")
     assert not engine.has_unfinished_requests()
 
 

@@ -133,3 +133,10 @@ def test_extra_keys_are_unambiguous():
     ]
     firsts = [v[0] for v in variants]
     assert len(set(firsts)) == len(firsts)
+
+
+def test_token_bytes_are_little_endian_uint32_on_every_machine() -> None:
+    """Hashes key a store shared by many machines: the bytes may not follow the host's order."""
+    from pagedkv.kv_cache.block_hash import token_ids_to_bytes
+
+    assert token_ids_to_bytes([1, 0x01020304]) == b"\x01\x00\x00\x00\x04\x03\x02\x01"

@@ -141,3 +141,12 @@ def test_hybrid_with_different_block_sizes():
     mgr.evict_blocks({7})
     blocks, num_hit = mgr.get_computed_blocks(Req("r", PROMPT + [9], hasher))
     assert (blocks.get_block_ids(), num_hit) == (([1], [4, 5]), 32)
+
+
+def test_an_empty_or_one_token_request_looks_up_nothing():
+    """Nothing can be hit below two tokens (the last is always computed): once the hybrid
+    lookup asked for -1 tokens and answered a hit of -1."""
+    mgr, hasher = hybrid_after_one_prompt(full_spec(), swa_spec(32))
+    for tokens in ([], [0]):
+        blocks, num_hit = mgr.get_computed_blocks(Req("e", tokens, hasher))
+        assert num_hit == 0 and blocks.get_block_ids() == ([], [])
