@@ -12,7 +12,15 @@ import pytest
 from pagedkv.entrypoints.cli import main, make_parser
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, free_port, run_pagedkv
 
-COMMANDS = [[], ["generate"], ["serve"], ["bench"], ["bench", "throughput"], ["bench", "serve"]]
+COMMANDS = [
+    [],
+    ["generate"],
+    ["serve"],
+    ["proxy"],
+    ["bench"],
+    ["bench", "throughput"],
+    ["bench", "serve"],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "pagedkv")
@@ -31,6 +39,35 @@ def test_serve_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     args = make_parser().parse_args(["serve", "some/model", "--max-num-seqs", "8"])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "from-env")
     assert args.model == "some/model" and args.max_num_seqs == 8
+
+
+def test_proxy_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEDKV_PROXY_API_KEY", raising=False)
+    args = make_parser().parse_args(["proxy", "--max-attempts", "5"])
+    assert (args.host, args.port, args.registry_port) == ("127.0.0.1", 10001, 30001)
+    assert args.routing == "round_robin" and args.api_key is None
+    assert (args.instance_timeout, args.connect_timeout, args.request_timeout) == (6, 5, 600)
+    assert args.max_attempts == 5
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--max-attempts", "0"),  # every request would be a 503 without trying any pair
+        ("--max-attempts", "-1"),
+        ("--instance-timeout", "0"),  # every instance would be dropped right after registering
+        ("--connect-timeout", "-5"),
+        ("--request-timeout", "0"),
+        ("--request-timeout", "nan"),
+    ],
+)
+def test_proxy_rejects_counts_and_times_not_above_zero(
+    flag: str, value: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["proxy", f"{flag}={value}"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
 
 
 def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:

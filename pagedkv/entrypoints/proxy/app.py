@@ -113,10 +113,18 @@ class PDProxy:
     async def handle(self, raw_request: Request, path: str) -> Response:
         try:
             body = await raw_request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise OpenAIError("request body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
             raise OpenAIError(f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAIError("request body must be a JSON object")
+        try:  # Python's json reads NaN and Infinity, but they cannot be sent on to P and D
+            json.dumps(body, allow_nan=False)
+        except ValueError:
+            raise OpenAIError(
+                "request body is not valid JSON: NaN and Infinity are not JSON numbers"
+            ) from None
         stream = bool(body.get("stream"))
         client_id = raw_request.headers.get("X-Request-Id")
         failed: set[str] = set()
@@ -232,12 +240,12 @@ class PDProxy:
         """D's response with its first bytes read (its TTFT), or its whole body if not
         streaming. Raises UpstreamError; cancelled, it closes the connection (D aborts)."""
         assert self.client is not None
-        self.router.acquire(d)
-        request = self.client.build_request(
-            "POST", d.info.http_url + path, json=body, headers=headers, timeout=self._timeout
-        )
         response = None
-        try:
+        self.router.acquire(d)
+        try:  # released on every path out, the request's own encoding failing included
+            request = self.client.build_request(
+                "POST", d.info.http_url + path, json=body, headers=headers, timeout=self._timeout
+            )
             response = await self.client.send(request, stream=True)
             if response.status_code >= 500:
                 raise UpstreamError(d, f"decode: HTTP {response.status_code}")
@@ -283,18 +291,37 @@ class PDProxy:
         return StreamingResponse(relay(), status_code=response.status_code, media_type=media_type)
 
     async def models(self) -> Response:
-        assert self.client is not None
-        for instance in self.registry.live():
-            if instance.is_decode:
-                with contextlib.suppress(httpx.HTTPError):
-                    r = await self.client.get(
-                        instance.info.http_url + "/v1/models",
-                        headers=self._headers(uuid.uuid4().hex),
-                        timeout=self._timeout,
-                    )
-                    if r.status_code == 200:
-                        return Response(r.content, 200, media_type="application/json")
-        raise OpenAIError("no decode instance is available", status=HTTPStatus.SERVICE_UNAVAILABLE)
+        """The first decode instance's answer. All are asked at once, each for at most the
+        connect timeout: a hung D must not hold up the endpoint for the request timeout."""
+        client = self.client
+        assert client is not None
+        timeout = self.config.connect_timeout_s
+
+        async def ask(d: Instance) -> Response | None:
+            url = d.info.http_url + "/v1/models"
+            try:
+                r = await client.get(url, headers=self._headers(uuid.uuid4().hex), timeout=timeout)
+            except httpx.HTTPError as e:
+                logger.warning("decode %s: /v1/models: %s: %s", d.engine_id, type(e).__name__, e)
+                return None
+            if r.status_code != 200:
+                return None
+            return Response(r.content, 200, media_type="application/json")
+
+        decoders = [i for i in self.registry.live() if i.is_decode]
+        asks = [asyncio.create_task(ask(d)) for d in decoders]
+        try:
+            for answered in asyncio.as_completed(asks):
+                if (answer := await answered) is not None:
+                    return answer
+        finally:
+            for task in asks:
+                task.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+        message = "no decode instance is available"
+        if decoders:
+            message = f"no decode instance answered /v1/models (each given {timeout:g} s)"
+        raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
 
 def _log_late_prefill_failure(task: asyncio.Task) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedkv.entrypoints.bench.datasets import positive_float, positive_int
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
 
 
@@ -35,22 +36,25 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--instance-timeout",
-        type=float,
+        type=positive_float,
         default=6.0,
         help="drop an instance after this many seconds without a heartbeat (default: %(default)s)",
     )
     g.add_argument(
-        "--connect-timeout", type=float, default=5.0, help="upstream connect timeout, seconds"
+        "--connect-timeout",
+        type=positive_float,
+        default=5.0,
+        help="upstream connect timeout, seconds",
     )
     g.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_float,
         default=600.0,
         help="longest wait for any upstream byte, seconds (default: %(default)s)",
     )
     g.add_argument(
         "--max-attempts",
-        type=int,
+        type=positive_int,
         default=3,
         help="P/D pairs tried per request before answering 503 (default: %(default)s)",
     )
