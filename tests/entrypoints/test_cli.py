@@ -127,7 +127,10 @@ def test_bench_serve_writes_json_and_plot(server: Server, tmp_path: Path) -> Non
     requests = report["requests"]
     assert sorted(r["index"] for r in requests) == list(range(12))
     assert len({r["request_id"] for r in requests}) == 12
-    assert all(r["ok"] and len(r["itl"]) >= 1 for r in requests)
+    assert all(r["ok"] for r in requests)
+    # Tokens a slow client has not read yet reach it in one chunk (as in vLLM), so on a loaded
+    # machine a request may see no gap between chunks; not all twelve.
+    assert any(len(r["itl"]) >= 1 for r in requests)
     assert report["config"]["model"] == MODEL_NAME
     assert plot.read_bytes().startswith(b"\x89PNG")
 
