@@ -118,6 +118,8 @@ class OutputProcessor:
         start = len(state.text)
         for token_id in new_token_ids:
             state.text += state.detokenizer.step(token_id)
+        if final:
+            state.text += state.detokenizer.flush()
         stops = params.stop
         if stops and len(state.token_ids) >= params.min_tokens:
             longest = max(map(len, stops))
