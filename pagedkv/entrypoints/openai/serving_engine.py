@@ -243,9 +243,11 @@ class OpenAIServing:
 
     @staticmethod
     async def deltas(stream: RequestStream) -> AsyncIterator[Delta]:
-        """Turn cumulative outputs into what each chunk adds. Text may lag behind tokens
-        (held back while it could still become a stop string): a delta with nothing to say is
-        skipped (never the last one, which has a finish reason)."""
+        """Turn cumulative outputs into what each chunk adds. Text may lag behind tokens (held
+        back while it could still become a stop string, or until its bytes form a character):
+        a chunk then carries new tokens with empty text, as in vLLM, so a client sees each
+        step (and measures time to first token) when it happens. An output that adds nothing
+        is skipped (never the last one, which has a finish reason)."""
         num_chars = num_tokens = 0
         async for output in stream:
             completion = output.outputs[0]
@@ -257,7 +259,7 @@ class OpenAIServing:
                 output=output,
             )
             num_chars, num_tokens = len(completion.text), len(completion.token_ids)
-            if delta.text or delta.finish_reason is not None or delta.logprobs is not None:
+            if delta.text or delta.token_ids or delta.finish_reason is not None:
                 yield delta
 
     @staticmethod
