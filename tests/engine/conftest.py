@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pagedkv import LLM
+from pagedkv import LLM, SamplingParams
 from tests.tiny_models import CONFIGS, build_checkpoint, build_tokenizer
 
 
@@ -40,6 +41,20 @@ def hf_model(checkpoint):
         return cache[arch]
 
     return get
+
+
+def run(engine, requests: list[tuple[list[int], SamplingParams, dict | None]]) -> list:
+    """Step ``engine`` until it drains (60 s at most): the finished outputs of ``requests``
+    (prompt, params, kv_transfer_params), in order."""
+    ids = [engine.add_request(None, p, sp, kv_transfer_params=kv) for p, sp, kv in requests]
+    done = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not drain"
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
 
 
 def assert_all_blocks_free(llm: LLM) -> None:

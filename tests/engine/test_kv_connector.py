@@ -8,6 +8,7 @@ import pytest
 
 import tests.engine.inproc_connector as inproc
 from pagedkv import SamplingParams
+from tests.engine.conftest import run
 from tests.tiny_models import random_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -15,18 +16,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def kv_config(role: str, **extra) -> dict:
     return dict(kv_connector="InProcConnector", kv_role=role, **extra)
-
-
-def run(engine, requests: list[tuple[list[int], SamplingParams, dict | None]]) -> list:
-    ids = [engine.add_request(None, p, sp, kv_transfer_params=kv) for p, sp, kv in requests]
-    done = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "engine did not drain"
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
 
 
 def prefill_remotely(producer, prompts: list[list[int]]) -> list[dict]:

@@ -8,23 +8,12 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
+from tests.engine.conftest import run
 from tests.kv_transfer.store.conftest import store_kv_config
 from tests.tiny_models import random_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
-
-
-def run(engine, requests: list[tuple[list[int], SamplingParams, dict | None]]) -> list:
-    ids = [engine.add_request(None, p, sp, kv_transfer_params=kv) for p, sp, kv in requests]
-    done = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "engine did not drain"
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
 
 
 def token_ids(outputs) -> list[list[int]]:
