@@ -63,6 +63,10 @@ def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
 
 class ModelRunner:
     def __init__(self, args: EngineArgs) -> None:
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+            )
         self.device = resolve_device(args.device)
         model_path = args.model_path
         checkpoint = ModelConfig.from_pretrained(model_path)
@@ -77,10 +81,6 @@ class ModelRunner:
         self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         if args.seed is not None:  # unseeded sampling draws from torch's default generator
             torch.manual_seed(args.seed)
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-            )
         self.gpu_memory_utilization = args.gpu_memory_utilization
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
