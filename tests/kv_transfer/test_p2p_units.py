@@ -71,9 +71,9 @@ def test_every_kind_of_bad_message_is_rejected_with_its_reason() -> None:
     good = codec().encode(WANT, ME)
     encoder = msgspec.msgpack.Encoder()
     assert _reason(good[:2]) == "malformed"
-    assert _reason([b"\xc1garbage", good[1], good[2]], codec(None)) == "malformed"
+    assert _reason([b"\xc1garbage", good[1], b""], codec(None)) == "malformed"
     assert _reason(codec(limit=1 << 20).encode(Heartbeat(["x" * 5000]), ME)) == "oversized"
-    assert _reason([good[0], good[1], b""]) == "unauthenticated"
+    assert _reason([good[0], good[1], b""]) == "auth_mismatch"
     assert _reason(codec(b"other secret").encode(WANT, ME)) == "unauthenticated"
     assert _reason(codec(compat="another model").encode(WANT, ME)) == "incompatible"
     old = encoder.encode(Envelope(PROTOCOL_VERSION + 1, "fp", "want", ME))
@@ -115,6 +115,21 @@ def test_a_bad_peer_address_is_refused_where_it_enters() -> None:
         assert _reason([envelope, codec(None).encode(WANT, ME)[1], b""], codec(None)) == "malformed"
 
 
+def test_signing_must_agree_and_a_mismatch_names_the_claimed_sender() -> None:
+    """A secret on one side only is refused by both sides as an authentication mismatch
+    (an instance without a secret once accepted signed messages, so a half-configured
+    deployment failed on one side only, and as "P silent")."""
+    for sender, receiver in ((codec(), codec(None)), (codec(None), codec())):
+        with pytest.raises(ProtocolError) as e:
+            receiver.decode(sender.encode(WANT, ME))
+        assert e.value.reason == "auth_mismatch"
+        assert "authentication mismatch" in str(e.value)
+        assert e.value.claimed_sender == ME
+    with pytest.raises(ProtocolError) as e:
+        codec().decode([b"\xc1", b"", b""])
+    assert e.value.reason == "auth_mismatch" and e.value.claimed_sender is None
+
+
 def test_the_mac_covers_envelope_and_payload() -> None:
     env, payload, mac = codec().encode(WANT, ME)
     other = codec().encode(Want("t2", "g", 40, "h", [[1, 2]], [[2]]), ME)
@@ -139,7 +154,12 @@ def test_the_listener_survives_bad_input_and_keeps_serving() -> None:
         while not received and time.monotonic() < deadline:
             time.sleep(0.01)
         assert received == [WANT]
-        assert plane.rejected == {"malformed": 1, "unauthenticated": 2, "unexpected": 1}
+        assert plane.rejected == {
+            "malformed": 1,
+            "unauthenticated": 1,
+            "auth_mismatch": 1,
+            "unexpected": 1,
+        }
     finally:
         dealer.close(linger=0)
         ctx.term()

@@ -109,7 +109,7 @@ def test_instances_register_and_drop_out_when_heartbeats_stop() -> None:
         rogue.connect(f"tcp://127.0.0.1:{port}")
         unsigned = registry_codec(None).encode(info("kv_consumer"), PeerAddr("x", "h", 1))
         rogue.send_multipart(unsigned)
-        wait_until(lambda: registry.rejected.get("unauthenticated") == 1)
+        wait_until(lambda: registry.rejected.get("auth_mismatch") == 1)
         assert [i.engine_id for i in registry.live()] == ["d0"]
         # A clean stop says goodbye: gone at once.
         client.close()

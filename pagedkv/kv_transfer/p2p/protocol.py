@@ -12,6 +12,12 @@ frame count and sizes (before any parsing) -> MAC (constant-time compare) -> env
 version -> compatibility hash -> kind -> the typed payload. Any failure raises
 ``ProtocolError`` naming the reason; the listener logs it and drops the message. No pickle:
 msgspec decodes into the declared types only.
+
+Both ends must agree on signing: a signed message to an instance without a secret, or an
+unsigned one to an instance with a secret, is an ``auth_mismatch`` (refused either way, so a
+deployment with the secret on some processes only fails loudly on both sides, not silently on
+one). Such an error carries the sender the envelope *claims* (unverified: only for saying who
+is misconfigured, never for trusting them).
 """
 
 from __future__ import annotations
@@ -189,11 +195,15 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
 
 
 class ProtocolError(ValueError):
-    """A message that must be dropped; ``reason`` is a short label (for logs and counters)."""
+    """A message that must be dropped; ``reason`` is a short label (for logs and counters).
+    ``claimed_sender``: for an ``auth_mismatch``, who the envelope says sent it (unverified)."""
 
-    def __init__(self, reason: str, detail: str = "") -> None:
+    def __init__(
+        self, reason: str, detail: str = "", claimed_sender: PeerAddr | None = None
+    ) -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.claimed_sender = claimed_sender
 
 
 class Codec:
@@ -232,14 +242,30 @@ class Codec:
         mac = self._mac(envelope, payload) if self.secret is not None else b""
         return [envelope, payload, mac]
 
+    def _claimed_sender(self, envelope_bytes: bytes) -> PeerAddr | None:
+        try:
+            return self._envelope_decoder.decode(envelope_bytes).sender
+        except msgspec.DecodeError:
+            return None
+
     def decode(self, frames: list[bytes]) -> tuple[Envelope, msgspec.Struct]:
         if len(frames) != 3:
             raise ProtocolError("malformed", f"{len(frames)} frames, expected 3")
         envelope_bytes, payload, mac = frames
         if len(envelope_bytes) > MAX_ENVELOPE_BYTES or len(payload) > self.max_message_bytes:
             raise ProtocolError("oversized", f"{len(envelope_bytes)} + {len(payload)} bytes")
+        if bool(mac) != (self.secret is not None):
+            raise ProtocolError(
+                "auth_mismatch",
+                "authentication mismatch: the sender signs its messages and this instance has "
+                "no shared secret"
+                if mac
+                else "authentication mismatch: the sender does not sign its messages and this "
+                "instance requires a shared secret",
+                self._claimed_sender(envelope_bytes),
+            )
         if self.secret is not None and not self._mac_ok(envelope_bytes, payload, mac):
-            raise ProtocolError("unauthenticated", "missing or wrong HMAC")
+            raise ProtocolError("unauthenticated", "wrong HMAC (another shared secret?)")
         try:
             envelope = self._envelope_decoder.decode(envelope_bytes)
         except msgspec.DecodeError as e:
