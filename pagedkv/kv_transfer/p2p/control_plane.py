@@ -16,13 +16,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, ProtocolError
+from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ControlPlane:
         self.rejected: collections.Counter[str] = collections.Counter()
         #: DEALERs closed to stay within ``max_peers``.
         self.num_evicted_peers = 0
-        self._last_warning: dict[str, float] = {}
+        self._log = RateLimitedLog(logger)
         self._thread = threading.Thread(target=self._serve, name=f"{name}-listener", daemon=True)
 
     def start(self) -> None:
@@ -155,24 +155,29 @@ class ControlPlane:
             envelope, message = self.codec.decode(frames)
         except ProtocolError as e:
             self.rejected[e.reason] += 1
-            self._warn(e.reason, "%s: dropped a control message (%s)", self.name, e)
+            self._log.warning(
+                e.reason,
+                "%s: dropped a control message (%s) [%d so far]",
+                self.name,
+                e,
+                self.rejected[e.reason],
+            )
             return
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rejected["unexpected"] += 1
-            self._warn("unexpected", "%s: no handler for %s", self.name, envelope.kind)
+            self._log.warning(
+                "unexpected",
+                "%s: no handler for %s [%d so far]",
+                self.name,
+                envelope.kind,
+                self.rejected["unexpected"],
+            )
             return
         try:
             handler(envelope.sender, message)
         except Exception:
             logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
-
-    def _warn(self, key: str, fmt: str, *args: object) -> None:
-        """At most one log line per reason per second: a flood of bad input can't flood logs."""
-        now = time.monotonic()
-        if now - self._last_warning.get(key, -1.0) >= 1.0:
-            self._last_warning[key] = now
-            logger.warning(fmt + " [%d so far]", *args, self.rejected[key])
 
     def close(self) -> None:
         self._stop.set()
