@@ -21,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised): no request can be served."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was ended from outside (the server is shutting down); the message says why."""
 
 
 class StatLogger(Protocol):
@@ -101,6 +106,8 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._lock = threading.Lock()
         self._stopping = False
+        #: Once stopping: the engine still steps until it holds nothing, or until this time.
+        self._drain_deadline = 0.0
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 
@@ -178,21 +185,27 @@ class AsyncLLM:
         """
         self._commands.put(lambda: self._abort(request_id, stream))
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still in flight end with EngineDeadError."""
-        self._commands.put(self._stop)
-        self._thread.join(timeout)
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight with ``RequestAbortedError(reason)``; their blocks are
+        freed at once (a server that must stop now)."""
+        self._commands.put(lambda: self._abort_all(reason))
+
+    def shutdown(self, timeout: float = 10.0, drain_s: float = 0.0) -> None:
+        """Stop the engine thread. With ``drain_s``, the engine first finishes what it still
+        holds (requests, and KV a peer is still pulling from its held blocks) for up to that
+        long; what is left then ends with EngineDeadError."""
+        self._commands.put(lambda: self._stop(drain_s))
+        self._thread.join(timeout + drain_s)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         engine = self.llm_engine
         try:
-            while not self._stopping:
+            while not self._done():
                 # Block while idle; otherwise take whatever arrived during the last step.
                 self._run_commands(block=not engine.has_unfinished_requests())
-                if self._stopping:
-                    break
-                self._publish(engine.step() if engine.has_unfinished_requests() else [])
+                if not self._done() and engine.has_unfinished_requests():
+                    self._publish(engine.step())
         except Exception as e:
             logger.exception("engine thread failed")
             dead: BaseException = e
@@ -226,6 +239,21 @@ class AsyncLLM:
             return
         self._streams[request.request_id] = stream
 
+    def _done(self) -> bool:
+        """Stopping, and nothing left to drain (or the drain's time is up)."""
+        return self._stopping and (
+            not self.llm_engine.has_unfinished_requests()
+            or time.monotonic() >= self._drain_deadline
+        )
+
+    def _abort_all(self, reason: str) -> None:
+        if self._dead is not None:
+            return
+        streams, self._streams = self._streams, {}
+        self.llm_engine.abort_request(list(streams))
+        for stream in streams.values():
+            stream.put(RequestAbortedError(reason))
+
     def _abort(self, request_id: str, stream: RequestStream | None) -> None:
         if self._dead is not None:
             return
@@ -233,8 +261,9 @@ class AsyncLLM:
             return
         self._publish(self.llm_engine.abort_request(request_id))
 
-    def _stop(self) -> None:
+    def _stop(self, drain_s: float) -> None:
         self._stopping = True
+        self._drain_deadline = time.monotonic() + drain_s
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Record stats, then deliver: a client that has its answer finds it in the stats."""

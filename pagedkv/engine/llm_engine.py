@@ -168,6 +168,22 @@ class LLMEngine:
         )
         return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
+    def kv_layout(self) -> str:
+        """What the fingerprint stands for, readable: ``llama (4 layers); float32;
+        block_size 16; FullAttentionSpec x4 (4 KV heads x 64)``. Shown by a proxy when two
+        instances do not pair."""
+        config = json.loads((self.args.model_path / "config.json").read_text())
+        groups = "; ".join(
+            f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)} "
+            f"({g.kv_cache_spec.num_kv_heads} KV heads x {g.kv_cache_spec.head_size})"
+            for g in self.kv_cache_config.kv_cache_groups
+        )
+        dtype = str(self.model_runner.dtype).removeprefix("torch.")
+        return (
+            f"{config.get('model_type', '?')} ({config.get('num_hidden_layers', '?')} layers); "
+            f"{dtype}; block_size {self.args.block_size}; {groups}"
+        )
+
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
@@ -302,6 +318,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """Both halves' KV connector counters (exported as ``pagedkv:kv_transfer_*``). Read
+        from any thread: each counter is a plain number with one writer."""
+        stats: dict[str, int | float] = {}
+        for half in (self.scheduler.connector, self.model_runner.kv_connector):
+            if half is not None:
+                stats.update(half.get_kv_connector_stats())
+        return stats
 
     def shutdown(self) -> None:
         """Stop the KV connector's threads and sockets (idempotent)."""

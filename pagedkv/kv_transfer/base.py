@@ -83,6 +83,10 @@ class KVConnectorBase(ABC):
         and the ``kv_transfer_params`` for the response."""
         return False, None
 
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """This half's counters by name (merged with the worker half's for metrics)."""
+        return {}
+
     def cancel_load(self, request: Request) -> None:
         """Stop loading a request (aborted, or past its deadline). Its load must still end in
         ``finished_recving``, once no more bytes can land in its blocks."""

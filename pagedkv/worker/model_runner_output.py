@@ -26,6 +26,9 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     #: Blocks whose load failed (reported with or before the request's finished_recving).
     invalid_block_ids: set[int] = field(default_factory=set)
+    #: Consumer: why a load failed, by request id (the peer and the cause), for the error a
+    #: client sees under kv_load_failure_policy=fail.
+    load_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

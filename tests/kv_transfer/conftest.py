@@ -175,10 +175,10 @@ class Cluster:
         self.processes.append(process)
         return process, log_path
 
-    def proxy(self, *extra: str, instance_timeout: float = 3.0) -> Proxy:
+    def proxy(self, *extra: str, instance_timeout: float = 3.0, name: str = "proxy") -> Proxy:
         port, registry_port = free_port(), free_port()
         process, log_path = self._spawn(
-            "proxy",
+            name,
             [
                 "proxy",
                 "--port", str(port),
@@ -196,9 +196,10 @@ class Cluster:
         return proxy
 
     def serve(
-        self, name: str, role: str, proxy: Proxy | None = None, **extra
+        self, name: str, role: str, proxy: Proxy | None = None, *cli_args: str, **extra
     ) -> tuple[Server, dict]:
-        """Start ``pagedkv serve`` with the P2P connector (not waiting: call ``ready``)."""
+        """Start ``pagedkv serve`` with the P2P connector (not waiting: call ``ready``);
+        ``cli_args`` go on its command line, ``extra`` into its kv_transfer_config."""
         top = {k: extra.pop(k) for k in list(extra) if k.startswith("kv_")}
         config = {
             "kv_connector": "P2pConnector",
@@ -213,9 +214,9 @@ class Cluster:
             },
             **top,
         }
-        return self.serve_config(name, config), config
+        return self.serve_config(name, config, *cli_args), config
 
-    def serve_config(self, name: str, kv_transfer_config: dict) -> Server:
+    def serve_config(self, name: str, kv_transfer_config: dict, *cli_args: str) -> Server:
         """Start ``pagedkv serve`` with any kv_transfer_config (not waiting: call ``ready``)."""
         port = free_port()
         process, log_path = self._spawn(
@@ -226,14 +227,18 @@ class Cluster:
                 "--api-key", API_KEY,
                 "--served-model-name", MODEL_NAME,
                 "--kv-transfer-config", json.dumps(kv_transfer_config),
+                *cli_args,
             ],
             env={"PAGEDKV_KV_SECRET": SECRET},
         )  # fmt: skip
         return Server(f"http://127.0.0.1:{port}", process, log_path)
 
     def ready(self, *servers: Server) -> None:
+        """Wait until each is healthy; they start together, so each takes longer to start
+        the more there are (on 2 cores a model server needs ~10 s of CPU to start)."""
+        timeout_s = 60 + 30 * len(servers)
         for server in servers:
-            wait_healthy(server.base_url, server.process, server.log_path, 120)
+            wait_healthy(server.base_url, server.process, server.log_path, timeout_s)
 
     def close(self) -> None:
         for process in self.processes:

@@ -15,9 +15,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedkv.entrypoints.proxy.app import PDProxy, ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.app import build_proxy_app
+from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
 from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register, RegistrationClient
 from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 from tests.kv_transfer.engine_host import free_port
 
@@ -229,7 +231,7 @@ def test_an_attempt_cancelled_midway_cancels_both_halves():
     async def cancel_midway() -> None:
         import httpx
 
-        proxy.client = httpx.AsyncClient()
+        proxy.upstream.client = httpx.AsyncClient()
         pair = router.pick_pair()
         assert pair is not None
         body = {**BODY, "stream": True}
@@ -242,7 +244,7 @@ def test_an_attempt_cancelled_midway_cancels_both_halves():
         with pytest.raises(asyncio.CancelledError):
             await attempt
         assert not router.in_flight
-        await proxy.client.aclose()
+        await proxy.upstream.client.aclose()
 
     try:
         upstreams.add("p", "kv_producer", "hang")

@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 
-from pagedkv.entrypoints.proxy.app import PDProxy, ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.app import build_proxy_app
+from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
 from pagedkv.entrypoints.proxy.registry import (
     Instance,
     InstanceRegistry,
@@ -25,6 +26,7 @@ from pagedkv.entrypoints.proxy.registry import (
     RegistrationClient,
 )
 from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 from tests.kv_transfer.engine_host import free_port
 
@@ -174,7 +176,7 @@ def test_a_decode_request_that_cannot_be_built_is_not_left_in_flight():
     proxy = PDProxy(Registry(), router, ProxyConfig())  # type: ignore[arg-type]
 
     async def attempt() -> None:
-        proxy.client = httpx.AsyncClient()
+        proxy.upstream.client = httpx.AsyncClient()
         pair = router.pick_pair()
         assert pair is not None
         body = {"prompt": float("nan")}
@@ -182,7 +184,7 @@ def test_a_decode_request_that_cannot_be_built_is_not_left_in_flight():
             with pytest.raises(ValueError, match="JSON compliant"):
                 await proxy._attempt("/v1/completions", body, *pair, False, None)
         finally:
-            await proxy.client.aclose()
+            await proxy.upstream.client.aclose()
 
     asyncio.run(attempt())
     assert dict(router.in_flight) == {}

@@ -9,7 +9,7 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 
-from pagedkv.entrypoints.proxy.app import ProxyConfig, build_proxy_app
+from pagedkv.entrypoints.proxy.app import build_proxy_app
 from pagedkv.entrypoints.proxy.registry import (
     Instance,
     InstanceRegistry,
@@ -18,7 +18,8 @@ from pagedkv.entrypoints.proxy.registry import (
     registry_codec,
 )
 from pagedkv.entrypoints.proxy.router import Router
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.entrypoints.proxy.upstream import ProxyConfig
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr, ProtocolError
 from tests.kv_transfer.engine_host import free_port
 from tests.kv_transfer.wire import raw_frames
 
@@ -217,3 +218,77 @@ def test_the_proxy_checks_its_api_key_and_the_body(lone_proxy) -> None:
     r = lone_proxy.post("/v1/chat/completions", content=b"{not json", headers=auth)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert lone_proxy.post("/v1/completions", json=[1], headers=auth).status_code == 400
+
+
+# ---------------------------------------------------------------------------- misconfiguration
+@pytest.mark.parametrize(("proxy_secret", "instance_secret"), [(None, SECRET), (SECRET, None)])
+def test_a_secret_on_one_side_only_is_refused_and_both_sides_say_so(
+    proxy_secret, instance_secret, caplog
+) -> None:
+    """Once a proxy without a secret accepted a signing instance's registration (and paired it
+    with instances that could not talk to it). Now the registration is refused, the refusal
+    is listed in ``/instances`` under the engine id the sender claims, and the proxy and the
+    instance each log an authentication mismatch."""
+    port = free_port()
+    registry = InstanceRegistry("127.0.0.1", port, proxy_secret, timeout_s=5)
+    client = RegistrationClient(
+        "127.0.0.1", port, ME, lambda: info("kv_consumer"), instance_secret, interval_s=0.1
+    )
+    app = build_proxy_app(registry, Router(registry), ProxyConfig())
+    try:
+        with caplog.at_level("WARNING"), TestClient(app) as proxy:
+            client.start()
+            wait_until(lambda: isinstance(client.last_answer, ProtocolError))
+            assert client.last_answer.reason == "auth_mismatch"
+            (refused,) = proxy.get("/instances").json()["refused"]
+            assert refused["claimed_engine_id"] == "d0"
+            assert "authentication mismatch" in refused["reason"]
+            assert registry.live() == []
+    finally:
+        client.close()
+        registry.close()
+    loggers = {r.name for r in caplog.records if "authentication mismatch" in r.getMessage()}
+    assert loggers == {
+        "pagedkv.kv_transfer.p2p.control_plane",
+        "pagedkv.entrypoints.proxy.registry",
+    }
+
+
+def test_instances_that_cannot_pair_are_told_listed_and_named_in_the_503() -> None:
+    """Once a D with another dtype registered, /health showed one P and one D, and every
+    request got an instant 503 "no pair is available" that nobody could explain. Now the
+    instance is told at registration, /instances says why, and so does the 503."""
+    port = free_port()
+    registry = InstanceRegistry("127.0.0.1", port, SECRET, timeout_s=5)
+    layouts = {"p0": ("fp-a", "llama; float32; block_size 16"),
+               "d0": ("fp-b", "llama; bfloat16; block_size 16")}  # fmt: skip
+    clients = [
+        RegistrationClient(
+            "127.0.0.1", port, PeerAddr(name, "127.0.0.1", 4242 + i),
+            lambda r=role, f=fp, lay=layout: Register(r, "http://127.0.0.1:1", "m", f,
+                                                      kv_layout=lay, signs=True),
+            SECRET, interval_s=0.1,
+        )
+        for i, (name, role, (fp, layout)) in enumerate(
+            [("p0", "kv_producer", layouts["p0"]), ("d0", "kv_consumer", layouts["d0"])]
+        )
+    ]  # fmt: skip
+    app = build_proxy_app(registry, Router(registry), ProxyConfig())
+    try:
+        with TestClient(app) as proxy:
+            for client in clients:
+                client.start()
+            wait_until(lambda: len(registry.live()) == 2)
+            # Told at registration (a heartbeat after both were in):
+            wait_until(lambda: "float32" in getattr(clients[1].last_answer, "note", ""))
+            assert "bfloat16" in clients[1].last_answer.note
+            decode = proxy.get("/instances").json()["decode"][0]
+            assert "no prefill instance has its model and KV layout" in decode["pairing"]
+            assert decode["kv_layout"] == layouts["d0"][1] and decode["signs"] is True
+            r = proxy.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2})
+            assert r.status_code == 503
+            message = r.json()["error"]["message"]
+            assert "d0" in message and "bfloat16" in message and "float32" in message
+    finally:
+        for client in clients:
+            client.close()

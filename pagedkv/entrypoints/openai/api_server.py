@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import secrets
+import time
 from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
 from pagedkv.entrypoints.openai.errors import OpenAIError
@@ -132,9 +134,9 @@ def run_server(args: argparse.Namespace) -> None:
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
     registration = None
-    connector = async_llm.llm_engine.model_runner.kv_connector
-    if connector is not None:
-        registry.register(KVTransferCollector(connector.get_kv_connector_stats, served_model_name))
+    engine = async_llm.llm_engine
+    if engine.model_runner.kv_connector is not None:
+        registry.register(KVTransferCollector(engine.get_kv_connector_stats, served_model_name))
         registration = start_registration(async_llm, args, served_model_name)
     app = build_app(
         async_llm,
@@ -143,14 +145,31 @@ def run_server(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
     )
-    logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
+    drain_began: list[float] = []
+
+    def begin_drain() -> None:
+        """Leave the proxy's routing first: no new request is sent here from now on."""
+        drain_began.append(time.monotonic())
         if registration is not None:
             registration.close()
-        async_llm.shutdown()
-        async_llm.llm_engine.shutdown()  # the KV connector's threads and sockets
+
+    server = DrainingServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        args.shutdown_timeout,
+        begin_drain,
+        async_llm.abort_all,
+    )
+    logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        begin_drain()  # idempotent: a server that failed to start deregisters too
+        # What the engine still holds once the HTTP side is done (KV a decode instance is
+        # still pulling from this one) gets what is left of the shutdown timeout.
+        left = drain_began[0] + args.shutdown_timeout - time.monotonic()
+        async_llm.shutdown(drain_s=max(left, 0.0))
+        async_llm.llm_engine.shutdown()  # the KV connector: peers told, threads and sockets
+        logger.info("shut down")
 
 
 def start_registration(
@@ -167,7 +186,7 @@ def start_registration(
     secret = extra.get("shared_secret") or os.environ.get(SECRET_ENV)
     host = args.host if args.host not in ("", "0.0.0.0", "::") else kv.kv_ip
     http_url = f"http://{host}:{args.port}"
-    fingerprint = engine.model_fingerprint()
+    fingerprint, kv_layout = engine.model_fingerprint(), engine.kv_layout()
 
     def describe() -> Register:
         stats = engine.scheduler.stats  # plain ints written by the engine thread
@@ -178,6 +197,8 @@ def start_registration(
             fingerprint=fingerprint,
             num_running=stats.num_running_reqs,
             num_waiting=stats.num_waiting_reqs,
+            kv_layout=kv_layout,
+            signs=bool(secret),
         )
 
     client = RegistrationClient(

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.entrypoints.bench.datasets import positive_float
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
@@ -29,6 +30,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies get 413 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "aborted with an error (default: %(default)s)",
     )
     g.add_argument(
         "--log-level",

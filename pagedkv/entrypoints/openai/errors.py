@@ -14,8 +14,12 @@ _ERROR_TYPES = {
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+    HTTPStatus.BAD_GATEWAY: "BadGatewayError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
+#: The error type of a request whose KV could not be loaded from another instance (a 502, or
+#: an SSE error event): a proxy may retry it elsewhere, since no token was produced.
+KV_TRANSFER_ERROR = "KVTransferError"
 
 
 class OpenAIError(Exception):
@@ -26,17 +30,19 @@ class OpenAIError(Exception):
         message: str,
         param: str | None = None,
         status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        error_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.error_type = error_type or _ERROR_TYPES.get(status, "InternalServerError")
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
             error=ErrorInfo(
                 message=self.message,
-                type=_ERROR_TYPES.get(self.status, "InternalServerError"),
+                type=self.error_type,
                 param=self.param,
                 code=int(self.status),
             )

@@ -22,7 +22,7 @@ from pagedkv.entrypoints.openai.protocol import (
     DeltaMessage,
     TopLogprob,
 )
-from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
+from pagedkv.entrypoints.openai.serving_engine import Delta, OpenAIServing
 
 _UNSUPPORTED = ("logit_bias", "tools")
 
@@ -83,10 +83,15 @@ class OpenAIServingChat(OpenAIServing):
     async def stream_chunks(
         self, request_id: str, stream: RequestStream, request: ChatCompletionRequest
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        deltas = self.deltas(stream)
+        # The role chunk goes out with the first token, not before: a request that fails
+        # first (its KV could not be loaded) streams nothing but the error, which a proxy can
+        # still retry elsewhere.
+        first = await anext(deltas, None)
         role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
         yield self._chunk(request_id, [role])
         final = None
-        async for delta in self.deltas(stream):
+        async for delta in _prepend(first, deltas):
             final = delta.output
             choice = ChatCompletionStreamChoice(
                 delta=DeltaMessage(content=delta.text),
@@ -129,3 +134,10 @@ class OpenAIServingChat(OpenAIServing):
     def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
         token = self.token_text(token_id)
         return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+async def _prepend(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    if first is not None:
+        yield first
+    async for delta in rest:
+        yield delta

@@ -4,6 +4,12 @@ Request ids, the model-name check, request fields -> SamplingParams, submitting 
 (ValueError -> 400 naming the field), answering (a full response, or SSE chunks ending with an
 error event on failure and ``[DONE]``), usage, and turning a request's cumulative outputs into
 deltas for streaming. An endpoint builds its own bodies: ``full_response`` and ``stream_chunks``.
+
+A request the engine ended with an error (finish_reason ``error``: its KV could not be loaded
+from another instance under ``kv_load_failure_policy=fail``) is never a 200 with empty text: it
+is a 502 of type ``KVTransferError`` whose message names the peer and the cause, or, streamed,
+an SSE error event of that type before ``[DONE]``. A request still running when a shutting-down
+server gives up on it is a 503.
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ from fastapi import Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from pagedkv.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+)
 from pagedkv.engine.llm_engine import PromptType
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.entrypoints.openai.errors import OpenAIError, bad_request_from
+from pagedkv.entrypoints.openai.errors import KV_TRANSFER_ERROR, OpenAIError, bad_request_from
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 
 #: SamplingParams fields that keep their name in requests (others are mapped per endpoint).
@@ -77,10 +88,28 @@ def sse_error(error: OpenAIError) -> str:
     return sse(error.to_response())
 
 
-def engine_error(error: ValueError | EngineDeadError, param_names: dict[str, str]) -> OpenAIError:
-    if isinstance(error, EngineDeadError):
+class RequestFailedError(Exception):
+    """The engine ended the request with an error (``RequestOutput.error``)."""
+
+
+#: What the engine side may raise while a request is submitted or answered.
+ENGINE_ERRORS = (ValueError, EngineDeadError, RequestAbortedError, RequestFailedError)
+
+
+def engine_error(error: Exception, param_names: dict[str, str]) -> OpenAIError:
+    if isinstance(error, EngineDeadError | RequestAbortedError):
         return OpenAIError(str(error), status=HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(error, RequestFailedError):
+        return OpenAIError(str(error), status=HTTPStatus.BAD_GATEWAY, error_type=KV_TRANSFER_ERROR)
+    assert isinstance(error, ValueError)
     return bad_request_from(error, param_names)
+
+
+def check_failed(output: RequestOutput) -> RequestOutput:
+    """``output``, unless the engine ended the request with an error: then that error."""
+    if output.error is not None:
+        raise RequestFailedError(output.error)
+    return output
 
 
 class OpenAIServing:
@@ -184,10 +213,11 @@ class OpenAIServing:
             return StreamingResponse(self._sse(chunks, param_names), media_type="text/event-stream")
         try:
             final = await self.final_output(stream, raw_request)
-        except (ValueError, EngineDeadError) as e:
+            if final is None:  # the client is gone
+                return Response(status_code=499)
+            check_failed(final)
+        except ENGINE_ERRORS as e:
             raise engine_error(e, param_names) from None
-        if final is None:  # the client is gone
-            return Response(status_code=499)
         return JSONResponse(self.full_response(request_id, final, request).model_dump())
 
     def full_response(
@@ -210,7 +240,7 @@ class OpenAIServing:
         try:
             async for chunk in chunks:
                 yield sse(chunk)
-        except (ValueError, EngineDeadError) as e:
+        except ENGINE_ERRORS as e:
             yield sse_error(engine_error(e, param_names))
         yield SSE_DONE
 
@@ -243,14 +273,15 @@ class OpenAIServing:
 
     @staticmethod
     async def deltas(stream: RequestStream) -> AsyncIterator[Delta]:
-        """Turn cumulative outputs into what each chunk adds. Text may lag behind tokens (held
+        """Turn cumulative outputs into what each chunk adds (RequestFailedError for a request
+        the engine ended with an error). Text may lag behind tokens (held
         back while it could still become a stop string, or until its bytes form a character):
         a chunk then carries new tokens with empty text, as in vLLM, so a client sees each
         step (and measures time to first token) when it happens. An output that adds nothing
         is skipped (never the last one, which has a finish reason)."""
         num_chars = num_tokens = 0
         async for output in stream:
-            completion = output.outputs[0]
+            completion = check_failed(output).outputs[0]
             logprobs = completion.logprobs
             delta = Delta(
                 text=completion.text[num_chars:],

@@ -8,6 +8,9 @@ import os
 from pagedkv.entrypoints.bench.datasets import positive_float, positive_int
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
 
+#: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
+FALLBACKS = ("none", "local")
+
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("proxy")
@@ -57,5 +60,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=3,
         help="P/D pairs tried per request before answering 503 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--fallback",
+        default="none",
+        choices=FALLBACKS,
+        help="local: when P or the KV transfer fails, send the request to a decode instance "
+        "alone, which prefills it itself (default: %(default)s: retry another pair)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "ended with an error (default: %(default)s)",
     )
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -3,14 +3,22 @@
 Each ``pagedkv serve`` with ``kv_connector_extra_config.proxy_ip``/``proxy_port`` runs a
 ``RegistrationClient`` that sends a ``Register`` every ``proxy_heartbeat_s`` (2 s) to the proxy's
 registry ROUTER. The envelope's sender is the instance's KV address (engine id, kv_ip, kv_port);
-the message adds its role, HTTP URL, model and model fingerprint, and its load. Messages use
-the connector's Codec (size limits, version, namespace check, HMAC-SHA256 when a secret is
-set), so a rogue process without the secret can't register itself and receive prompts. An
-instance not heard from for ``timeout_s`` drops out; one that says ``Deregister`` drops at once.
+the message adds its role, HTTP URL, model, model fingerprint and KV layout (the proxy pairs
+only equal fingerprints, and says why others do not pair), whether it signs its messages, and
+its load. Messages use the connector's Codec (size limits, version, namespace check,
+HMAC-SHA256 when a secret is set), so a rogue process without the secret can't register itself
+and receive prompts. An instance not heard from for ``timeout_s`` drops out; one that says
+``Deregister`` drops at once.
+
+The registry answers every heartbeat on its connection: ``Registered``, or ``Refused`` with the
+reason (a secret on one side only, a malformed registration, too many instances). Both sides
+log a refusal at WARNING, so a misconfigured deployment is visible from either end; refused
+senders are listed (by the engine id they claim) in the proxy's ``/instances``.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -23,7 +31,8 @@ import zmq
 
 from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
-from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, warn_if_open
+from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, ProtocolError, warn_if_open
+from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +41,8 @@ REGISTRY_NAMESPACE = "pagedkv-registry-v1"
 MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
 #: Instances the proxy tracks at once: registrations from more engine ids are refused.
 MAX_INSTANCES = 4096
+#: Refused senders remembered for ``/instances`` (the most recent ones).
+MAX_REFUSED = 64
 PREFILL_ROLES = ("kv_producer", "kv_both")
 DECODE_ROLES = ("kv_consumer", "kv_both")
 
@@ -48,6 +59,11 @@ class Register(msgspec.Struct, frozen=True):
     fingerprint: str
     num_running: int = 0
     num_waiting: int = 0
+    #: What the fingerprint stands for, readable ("llama, 4 layers; float32; block_size 16;
+    #: ..."): the proxy shows it when two instances do not pair.
+    kv_layout: str = ""
+    #: The instance signs its messages (it has the shared secret).
+    signs: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in KV_ROLES:
@@ -66,9 +82,23 @@ class Deregister(msgspec.Struct, frozen=True):
     """I am shutting down."""
 
 
+class Registered(msgspec.Struct, frozen=True):
+    """Proxy -> instance: your heartbeat is in (``note``: why you cannot be paired, if so)."""
+
+    note: str = ""
+
+
+class Refused(msgspec.Struct, frozen=True):
+    """Proxy -> instance: your registration was refused, and why."""
+
+    reason: str
+
+
 REGISTRY_MESSAGES: dict[str, type[msgspec.Struct]] = {
     "register": Register,
     "deregister": Deregister,
+    "registered": Registered,
+    "refused": Refused,
 }
 
 
@@ -101,6 +131,9 @@ class Instance:
             "http_url": self.info.http_url,
             "kv_address": f"{self.kv.host}:{self.kv.port}",
             "model": self.info.model,
+            "fingerprint": self.info.fingerprint,
+            "kv_layout": self.info.kv_layout,
+            "signs": self.info.signs,
             "num_running": self.info.num_running,
             "num_waiting": self.info.num_waiting,
             "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
@@ -112,16 +145,23 @@ class InstanceRegistry:
 
     def __init__(self, host: str, port: int, secret: bytes | None, timeout_s: float) -> None:
         self.timeout_s = timeout_s
+        self.signs = secret is not None
         self._instances: dict[str, Instance] = {}
         self._lock = threading.Lock()
         #: Registrations refused because MAX_INSTANCES instances were already tracked.
         self.num_refused = 0
+        #: Claimed engine id -> (why it was refused, when): the latest MAX_REFUSED.
+        self._refused: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        #: Reports the pairing problem of an instance (None: it pairs); set by the router.
+        self.pairing_note: Callable[[Instance], str | None] = lambda instance: None
+        self._log = RateLimitedLog(logger)
         warn_if_open(logger, "the proxy's registry", host, secret)
         self._plane = ControlPlane(
             registry_codec(secret),
             PeerAddr("proxy", host, port),
             {Register: self._on_register, Deregister: self._on_deregister},
             name="registry",
+            on_rejected=self._on_rejected,
         )
 
     @property
@@ -134,17 +174,52 @@ class InstanceRegistry:
     def close(self) -> None:
         self._plane.close()
 
-    def _on_register(self, sender: PeerAddr, info: Register) -> None:
+    def _on_register(self, sender: PeerAddr, info: Register) -> Registered | Refused:
+        now = time.monotonic()
         with self._lock:
             known = self._instances.get(sender.engine_id)
             if known is None and len(self._instances) >= MAX_INSTANCES:
-                self._drop_stale_locked(time.monotonic())
-                if len(self._instances) >= MAX_INSTANCES:
-                    self.num_refused += 1
-                    return
-            self._instances[sender.engine_id] = Instance(sender, info, time.monotonic())
+                self._drop_stale_locked(now)
+            full = known is None and len(self._instances) >= MAX_INSTANCES
+            if full:
+                self.num_refused += 1
+            else:
+                instance = self._instances[sender.engine_id] = Instance(sender, info, now)
+                self._refused.pop(sender.engine_id, None)
+        if full:
+            return self._refuse(sender, f"the proxy already tracks {MAX_INSTANCES} instances")
         if known is None or known.info.http_url != info.http_url:
             logger.info("registered %s %s at %s", info.role, sender.engine_id, info.http_url)
+        return Registered(self.pairing_note(instance) or "")
+
+    def _on_rejected(self, error: ProtocolError) -> Refused:
+        """A registration the codec refused: remembered (by the sender it claims) and told."""
+        claimed = error.claimed_sender
+        if claimed is not None:
+            self._remember_refusal(claimed.engine_id, str(error))
+        return Refused(str(error))
+
+    def _refuse(self, sender: PeerAddr, reason: str) -> Refused:
+        self._remember_refusal(sender.engine_id, reason)
+        self._log.warning(reason, "refused the registration of %s: %s", sender.engine_id, reason)
+        return Refused(reason)
+
+    def _remember_refusal(self, engine_id: str, reason: str) -> None:
+        with self._lock:
+            self._refused[engine_id] = (reason, time.monotonic())
+            self._refused.move_to_end(engine_id)
+            while len(self._refused) > MAX_REFUSED:
+                self._refused.popitem(last=False)
+
+    def refused(self) -> list[dict]:
+        """Senders refused recently (the engine id each *claimed*, unverified), newest last."""
+        now = time.monotonic()
+        with self._lock:
+            items = list(self._refused.items())
+        return [
+            {"claimed_engine_id": engine_id, "reason": reason, "seconds_ago": round(now - t, 1)}
+            for engine_id, (reason, t) in items
+        ]
 
     def _on_deregister(self, sender: PeerAddr, _: Deregister) -> None:
         self.evict(sender.engine_id, "deregistered")
@@ -178,7 +253,8 @@ class InstanceRegistry:
 
 
 class RegistrationClient:
-    """The instance's side: a thread that sends ``Register`` heartbeats to the proxy."""
+    """The instance's side: a thread that sends ``Register`` heartbeats to the proxy and reads
+    its answers (logging a refusal, or an authentication mismatch, at WARNING)."""
 
     def __init__(
         self,
@@ -195,6 +271,9 @@ class RegistrationClient:
         self._codec = registry_codec(secret)
         self._interval_s = interval_s
         self._stop = threading.Event()
+        self._log = RateLimitedLog(logger)
+        #: The proxy's last answer: a Registered, a Refused, or a ProtocolError (None: none).
+        self.last_answer: msgspec.Struct | ProtocolError | None = None
         self._thread = threading.Thread(target=self._run, name="proxy-registration", daemon=True)
 
     def start(self) -> None:
@@ -205,23 +284,53 @@ class RegistrationClient:
         socket = ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 500)
         socket.setsockopt(zmq.SNDHWM, 10)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REGISTRY_MESSAGE_BYTES * 4)
         socket.connect(self._endpoint)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        next_beat = 0.0
         try:
             while not self._stop.is_set():
-                try:
-                    frames = self._codec.encode(self._describe(), self._me)
-                    socket.send_multipart(frames, zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the proxy is not there (yet): the next heartbeat tries again
-                except Exception:
-                    logger.exception("registration heartbeat failed (continuing)")
-                self._stop.wait(self._interval_s)
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self._interval_s
+                    self._beat(socket)
+                wait_ms = min(100, max(1, int((next_beat - now) * 1000)))
+                if poller.poll(wait_ms):
+                    self._on_answer(socket.recv_multipart(zmq.NOBLOCK))
             socket.send_multipart(self._codec.encode(Deregister(), self._me), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         finally:
             socket.close()
             ctx.term()
+
+    def _beat(self, socket: zmq.Socket) -> None:
+        try:
+            socket.send_multipart(self._codec.encode(self._describe(), self._me), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the proxy is not there (yet): the next heartbeat tries again
+        except Exception:
+            logger.exception("registration heartbeat failed (continuing)")
+
+    def _on_answer(self, frames: list[bytes]) -> None:
+        where = self._endpoint
+        try:
+            _, answer = self._codec.decode(frames)
+        except ProtocolError as e:
+            self.last_answer = e
+            self._log.warning(e.reason, "the proxy at %s: its answer was refused: %s", where, e)
+            return
+        previous, self.last_answer = self.last_answer, answer
+        if isinstance(answer, Refused):
+            self._log.warning(
+                answer.reason, "the proxy at %s refused this instance: %s", where, answer.reason
+            )
+        elif isinstance(answer, Registered) and answer != previous:
+            if answer.note:
+                logger.warning("registered with the proxy at %s, but: %s", where, answer.note)
+            else:
+                logger.info("registered with the proxy at %s", where)
 
     def close(self) -> None:
         self._stop.set()

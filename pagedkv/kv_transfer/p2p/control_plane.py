@@ -9,6 +9,11 @@ thread and must not block (no gloo, no long waits): they update state and hand w
 The sender's address is whatever the (authenticated) envelope says, so the DEALERs are a
 bounded LRU (``max_peers``): messages from many claimed addresses cost at most that many
 sockets, never every file descriptor of the process.
+
+Answers on the same connection. A handler may return a message, and ``on_rejected`` may turn a
+refused one into a message: it goes back through the ROUTER to the connection the message came
+on (the sender's own DEALER reads it), never to the address an envelope claims. The proxy's
+registry uses this to acknowledge or refuse registrations; P2P peers answer through DEALERs.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[PeerAddr, msgspec.Struct], None]
+#: Handles one decoded message; what it returns (if anything) is answered on the connection.
+Handler = Callable[[PeerAddr, msgspec.Struct], msgspec.Struct | None]
+#: Turns a refused message into an answer on its connection (None: no answer).
+RejectionHandler = Callable[[ProtocolError], msgspec.Struct | None]
 
 _POLL_MS = 100
 #: ZMQ itself drops (and disconnects) frames past this multiple of the codec's limit; smaller
@@ -54,12 +62,14 @@ class ControlPlane:
         handlers: dict[type[msgspec.Struct], Handler],
         name: str = "p2p",
         max_peers: int = MAX_PEERS,
+        on_rejected: RejectionHandler | None = None,
     ) -> None:
         self.codec = codec
         self.address = address
         self.name = name
         self.max_peers = max_peers
         self._handlers = handlers
+        self._on_rejected = on_rejected
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -141,8 +151,10 @@ class ControlPlane:
             try:
                 if not poller.poll(_POLL_MS):
                     continue
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-                self._dispatch(frames[1:])  # frames[0]: the DEALER's routing id
+                routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK)
+                answer = self._dispatch(frames)
+                if answer is not None:
+                    self._answer(routing_id, answer)
             except zmq.Again:
                 continue
             except zmq.ContextTerminated:
@@ -150,7 +162,16 @@ class ControlPlane:
             except Exception:  # the listener must outlive any bug or input
                 logger.exception("%s: listener error (continuing)", self.name)
 
-    def _dispatch(self, frames: list[bytes]) -> None:
+    def _answer(self, routing_id: bytes, message: msgspec.Struct) -> None:
+        """Listener thread: back to the connection a message came on (dropped if it can't go)."""
+        try:
+            frames = self.codec.encode(message, self.address)
+            self._router.send_multipart([routing_id, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("%s: could not answer %s: %s", self.name, message, e)
+
+    def _dispatch(self, frames: list[bytes]) -> msgspec.Struct | None:
+        """Decode and handle one message; returns the answer to send back, if any."""
         try:
             envelope, message = self.codec.decode(frames)
         except ProtocolError as e:
@@ -162,7 +183,7 @@ class ControlPlane:
                 e,
                 self.rejected[e.reason],
             )
-            return
+            return self._on_rejected(e) if self._on_rejected is not None else None
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rejected["unexpected"] += 1
@@ -173,11 +194,12 @@ class ControlPlane:
                 envelope.kind,
                 self.rejected["unexpected"],
             )
-            return
+            return None
         try:
-            handler(envelope.sender, message)
+            return handler(envelope.sender, message)
         except Exception:
             logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
+            return None
 
     def close(self) -> None:
         self._stop.set()

@@ -675,7 +675,7 @@ class P2pConnectorWorker(KVConnectorWorker):
                 rec.cancelled = True
             # Reported when _receive returns: receives already posted may still land.
 
-    def _report_load(self, rec: Inbound, ok: bool) -> None:
+    def _report_load(self, rec: Inbound, ok: bool, reason: str) -> None:
         """finished_recving, exactly once per load; failed blocks go to invalid_block_ids."""
         if rec.reported:
             return
@@ -684,6 +684,13 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._finished.finished_recving.add(spec.request_id)
         self._progress.set()
         if not ok:
+            remote = spec.remote
+            peer = (
+                "no peer"
+                if remote is None
+                else f"{remote.engine_id} at {remote.host}:{remote.port}"
+            )
+            self._finished.load_errors[spec.request_id] = f"from {peer}: {reason}"
             self._finished.invalid_block_ids.update(
                 spec.block_ids[g][i] for g, ix in enumerate(spec.block_indices) for i in ix
             )
@@ -699,7 +706,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self.stats.loads[state.value] += 1
         log = logger.info if state is DELIVERED else logger.warning
         log("transfer %s from %s: %s (%s)", spec.transfer_id, spec.remote, state.value, reason)
-        self._report_load(rec, ok=state is DELIVERED)
+        self._report_load(rec, state is DELIVERED, f"{state.value}: {reason}")
         if self._inbound_by_tid.get(spec.transfer_id) is rec:  # not another load's id
             del self._inbound_by_tid[spec.transfer_id]
         if was is PENDING and rec.segments:

@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec, StoreConnectorMetadata
-from pagedkv.kv_transfer.store.stats import StoreStats
+from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
 
 logger = logging.getLogger(__name__)
+_failures = RateLimitedLog(logger)
 
 #: How long one existence answer is reused for a request that is not admitted yet.
 LOOKUP_REUSE_S = 0.05
@@ -192,7 +194,7 @@ class StoreConnector(KVConnectorBase):
             exists = self.backend.exists_many(keys)
         except StoreError as e:
             self.stats.num_lookup_errors += 1
-            logger.debug("store lookup failed, computing locally: %s", e)
+            _failures.warning("lookup", "store lookup failed, computing locally: %s", e)
             lookup.num_blocks, lookup.failed = 0, True
             return
         stored = [exists[group_id::num_groups] for group_id in range(num_groups)]
@@ -288,6 +290,10 @@ class StoreConnector(KVConnectorBase):
             num_blocks = min(state.num_saved_blocks or 0, len(request.block_hashes))
             params = {"do_remote_prefill": True, "store_num_tokens": num_blocks * self.block_size}
         return hold, params
+
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """Store lookups, lookup errors, and blocks found stored at admission."""
+        return {name: getattr(self.stats, name) for name in LOOKUP_STATS}
 
     def cancel_load(self, request: Request) -> None:
         self._meta.cancels.append(request.request_id)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import CorruptValue, decode_value
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
@@ -24,6 +25,7 @@ from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 
 logger = logging.getLogger(__name__)
+_failures = RateLimitedLog(logger)
 
 #: Blocks per ``get_many`` call: bounds the memory one call holds (64 MiB at 2 MiB per block).
 GET_BATCH_BLOCKS = 32
@@ -62,7 +64,9 @@ class BlockFetcher:
             values = self.backend.get_many([ref.key for ref in chunk])
         except StoreError as e:
             stats.num_load_errors += len(chunk)
-            logger.debug("store loader: %d blocks not fetched: %s", len(chunk), e)
+            _failures.warning(
+                "fetch", "store: %d blocks not fetched (computing them): %s", len(chunk), e
+            )
             return {ref.block_id for ref in chunk}
         if is_cancelled():  # cancelled while fetching: nothing more lands in the blocks
             stats.num_load_cancelled += len(chunk)
@@ -79,7 +83,7 @@ class BlockFetcher:
             try:
                 payload = decode_value(ref.key, value, layout.payload_size)
             except CorruptValue as e:
-                logger.warning("store: discarding the value of %s: %s", ref.key, e)
+                _failures.warning("corrupt", "store: discarding the value of %s: %s", ref.key, e)
                 stats.num_load_corrupt += 1
                 invalid.add(ref.block_id)
                 corrupt.append(ref.key)
@@ -97,7 +101,7 @@ class BlockFetcher:
             try:
                 self.backend.delete_many(corrupt)
             except StoreError as e:
-                logger.debug("store loader: could not delete corrupt values: %s", e)
+                _failures.warning("delete", "store: could not delete corrupt values: %s", e)
         return invalid
 
 

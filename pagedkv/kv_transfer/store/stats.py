@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: The scheduler half's counters (the worker half has the others).
+LOOKUP_STATS = ("num_lookups", "num_lookup_errors", "num_hit_blocks")
+
 
 @dataclass(slots=True)
 class StoreStats:

@@ -17,7 +17,7 @@ from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.loader import BlockFetcher, BlockLoader
 from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
-from pagedkv.kv_transfer.store.stats import StoreStats
+from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
 from pagedkv.kv_transfer.store.writer import BlockWriter, PutJob
 from pagedkv.worker.model_runner_output import KVConnectorOutput
 
@@ -114,9 +114,8 @@ class StoreConnectorWorker(KVConnectorWorker):
             )
 
     def get_kv_connector_stats(self) -> dict[str, int | float]:
-        """This half's put and load counters (the scheduler half's lookups are not here)."""
-        skip = {"num_lookups", "num_lookup_errors", "num_hit_blocks"}
-        return {f: getattr(self.stats, f) for f in StoreStats.__slots__ if f not in skip}
+        """This half's put and load counters (the scheduler half has the lookups)."""
+        return {f: getattr(self.stats, f) for f in StoreStats.__slots__ if f not in LOOKUP_STATS}
 
     def get_finished(self) -> KVConnectorOutput:
         output = KVConnectorOutput(invalid_block_ids=self._invalid_block_ids)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import ValueBatch
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
@@ -27,6 +28,7 @@ from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 
 logger = logging.getLogger(__name__)
+_failures = RateLimitedLog(logger)
 
 #: Blocks per ``put_many`` call; the writer encodes them into one reused buffer.
 PUT_BATCH_BLOCKS = 32
@@ -145,7 +147,7 @@ class BlockWriter:
                 stats.num_bytes_put += batch.buffer.nbytes
         except StoreError as e:
             stats.num_put_failures += len(keys)
-            logger.debug("store writer: %d blocks not stored: %s", len(keys), e)
+            _failures.warning("put", "store: %d blocks not stored: %s", len(keys), e)
             return
         self.recent_keys.add_many(keys)
 

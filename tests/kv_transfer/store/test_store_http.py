@@ -50,13 +50,17 @@ def test_two_store_instances_under_load_share_blocks_and_come_back_to_rest(store
 def test_redis_stopped_mid_load_costs_recompute_not_requests(store_pair, reference_text) -> None:
     """Redis dies 1 s into a 4 s load: every request is still answered exactly once (the
     store is a cache: a failed put is dropped, a failed lookup or load is a miss), greedy
-    outputs stay exact, and both instances come back to rest."""
+    outputs stay exact, and both instances come back to rest. The failures are visible: the
+    lookups and their errors are on /metrics (once they were not exported at all), and each
+    kind of failure is logged at WARNING (once only at DEBUG)."""
 
     def failures() -> float:
-        names = ("num_put_failures", "num_load_errors")
+        names = ("num_put_failures", "num_load_errors", "num_lookup_errors")
         return sum(total(store_pair.servers, "AB", f"pagedkv:kv_transfer_{n}_total") for n in names)
 
     before = failures()
+    lookups = total(store_pair.servers, "AB", "pagedkv:kv_transfer_num_lookups_total")
+    assert lookups > 0  # the earlier test's load looked blocks up
     stopper = threading.Timer(1.0, store_pair.redis.stop)
     stopper.start()
     t0 = time.monotonic()
@@ -67,6 +71,10 @@ def test_redis_stopped_mid_load_costs_recompute_not_requests(store_pair, referen
         stopper.join()
     assert time.monotonic() - t0 < 60
     assert failures() > before  # Redis was down under the instances' feet
+    errors = total(store_pair.servers, "AB", "pagedkv:kv_transfer_num_lookup_errors_total")
+    assert errors > 0  # requests admitted while it was down could not look up
+    logs = store_pair.a.log_path.read_text() + store_pair.b.log_path.read_text()
+    assert "WARNING pagedkv.kv_transfer.store" in logs and "store lookup failed" in logs
     prompts = [random_prompt(n, seed=500 + n) for n in (20, 45)]
     expected = reference_text(prompts, 8)
     for server in (store_pair.a, store_pair.b):

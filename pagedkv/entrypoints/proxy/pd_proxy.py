@@ -1,0 +1,247 @@
+"""PDProxy: each client request split between a P and a D, retried until it has an answer.
+
+Per request (concurrent dispatch: no extra round trip before D starts)::
+
+    transfer_id = a fresh uuid (the proxy's own: never derived from request ids)
+    P  <- the request, max_tokens=1, stream=false, kv_transfer_params={do_remote_decode,
+          transfer_id, remote_engine_id/host/port = D's KV address}    (its answer is dropped)
+    D  <- the request as sent,   kv_transfer_params={do_remote_prefill, transfer_id,
+          remote_engine_id/host/port = P's KV address}                 (its answer is relayed)
+
+Request ids. D gets the client's ``X-Request-Id`` (so the answer's id is the one the client
+chose, as from a single instance), suffixed ``-retry<n>`` on a retry so it never meets the
+aborted first attempt's id on the same D; without one, and for P, the transfer id.
+
+Failures. Every upstream call has a connect timeout and a read timeout. Until the first byte
+of D's answer reaches the client, a failed P or D costs only a retry with a fresh transfer id
+(the other half is cancelled, so its engine aborts and frees):
+
+    connection closed before any answer (a stale keep-alive connection, an instance draining)
+        -> the same instances may be tried again, on a fresh connection (once each)
+    connection refused, 5xx, timeout      -> that instance is skipped for this request
+    D could not load the KV from P (a 502 or first SSE event of type KVTransferError)
+        -> P is skipped; with ``--fallback local`` the next attempt sends the request to a D
+           alone, which prefills it itself (so does a request with no pair left but a D)
+
+An instance that refused the connection is dropped from the registry until its next heartbeat.
+After the first byte, a failure ends the stream with an error event. No live pair, or every
+attempt failed: 503 saying why. A 4xx from either side is the client's error and is returned as
+is (the other half is cancelled). An attempt cancelled midway cancels both halves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from http import HTTPStatus
+
+import httpx
+from fastapi import Request, Response
+
+from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
+from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.proxy.upstream import ProxyConfig, Upstream, UpstreamError
+
+logger = logging.getLogger(__name__)
+
+
+class PDProxy:
+    def __init__(self, registry: InstanceRegistry, router: Router, config: ProxyConfig) -> None:
+        self.registry = registry
+        self.router = router
+        self.config = config
+        self.upstream = Upstream(router, config)
+        #: Set when a shutting-down proxy gives up on what is still in flight (with why).
+        self.abort_reason: str | None = None
+        self._aborted = asyncio.Event()
+
+    def abort_in_flight(self, reason: str) -> None:
+        """End every request in flight with an error: answers not begun get a 503, streams an
+        error event (at their next chunk). Called on the event loop."""
+        self.abort_reason = reason
+        self._aborted.set()
+
+    # ------------------------------------------------------------------ one client request
+    async def handle(self, raw_request: Request, path: str) -> Response:
+        try:
+            body = await raw_request.json()
+        except RecursionError:
+            raise OpenAIError("request body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise OpenAIError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError("request body must be a JSON object")
+        try:  # Python's json reads NaN and Infinity, but they cannot be sent on to P and D
+            json.dumps(body, allow_nan=False)
+        except ValueError:
+            raise OpenAIError(
+                "request body is not valid JSON: NaN and Infinity are not JSON numbers"
+            ) from None
+        stream = bool(body.get("stream"))
+        client_id = raw_request.headers.get("X-Request-Id")
+        failed: set[str] = set()
+        closed_once: set[str] = set()
+        reasons: list[str] = []
+        local = False
+        for attempt in range(self.config.max_attempts):
+            pair = None if local else self.router.pick_pair(failed)
+            if pair is None and self.config.fallback == "local":
+                decoder, local = self.router.pick_decode(failed), True
+                pair = None if decoder is None else (None, decoder)
+            if pair is None:
+                break
+            decode_id = client_id if attempt == 0 else f"{client_id}-retry{attempt}"
+            try:
+                return await self._attempt(path, body, *pair, stream, client_id and decode_id)
+            except UpstreamError as e:
+                if e.client_error is not None:
+                    return e.client_error
+                logger.warning("attempt %d failed, retrying: %s", attempt + 1, e)
+                reasons.append(str(e))
+                blamed = pair[0] if e.kv_load and pair[0] is not None else e.instance
+                if e.closed and blamed.engine_id not in closed_once:
+                    closed_once.add(blamed.engine_id)  # once more, on a fresh connection
+                else:
+                    failed.add(blamed.engine_id)
+                if e.unreachable:
+                    self.registry.evict(e.instance.engine_id, str(e))
+                local = self.config.fallback == "local" and blamed is pair[0]
+        message = "no prefill/decode instance pair is available"
+        if reasons:
+            message = f"{message}: every attempt failed ({'; '.join(reasons)})"
+        else:
+            message = f"{message}: {self.router.why_no_pair(failed)}"
+        raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+    async def _attempt(
+        self,
+        path: str,
+        body: dict,
+        p: Instance | None,
+        d: Instance,
+        stream: bool,
+        decode_id: str | None,
+    ) -> Response:
+        """One try: P and D concurrently, or (``p`` None: the local fallback) D alone."""
+        transfer_id = uuid.uuid4().hex
+        decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        p_task = None
+        if p is not None:
+            p_task = asyncio.create_task(
+                self.upstream.prefill(
+                    p, path, self._prefill_body(body, d, transfer_id), transfer_id
+                )
+            )
+            decode_body["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "transfer_id": transfer_id,
+                "remote_engine_id": p.engine_id,
+                "remote_host": p.kv.host,
+                "remote_port": p.kv.port,
+            }
+        d_task = asyncio.create_task(
+            self.upstream.open_decode(
+                d, path, decode_body, self.upstream.headers(decode_id or transfer_id), stream
+            )
+        )
+        aborted = asyncio.create_task(self._aborted.wait())
+        try:
+            if p_task is not None:
+                await asyncio.wait({p_task, d_task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                if not d_task.done() and p_task.done() and p_task.exception() is not None:
+                    # D would wait for KV that never comes: stop it, retry elsewhere
+                    raise p_task.exception()  # type: ignore[misc]
+            await asyncio.wait({d_task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if not d_task.done():
+                raise OpenAIError(
+                    self.abort_reason or "the proxy is shutting down",
+                    status=HTTPStatus.SERVICE_UNAVAILABLE,
+                )
+            opened = d_task.result()
+        except BaseException:  # a failure, or cancelled (the client is gone)
+            await self._abandon(d, p_task, d_task)
+            raise
+        finally:
+            aborted.cancel()
+        if p_task is not None:
+            if opened.response.status_code != 200:
+                p_task.cancel()  # D refused the request: nobody will pull P's KV
+            p_task.add_done_callback(_log_late_prefill_failure)
+        return self.upstream.relay(d, opened, lambda: self.abort_reason)
+
+    @staticmethod
+    def _prefill_body(body: dict, d: Instance, transfer_id: str) -> dict:
+        """P's request: one token, not streamed, its KV held for ``d``."""
+        prefill_body = {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "transfer_id": transfer_id,
+                "remote_engine_id": d.engine_id,
+                "remote_host": d.kv.host,
+                "remote_port": d.kv.port,
+            },
+        }
+        prefill_body.pop("stream_options", None)
+        if "max_completion_tokens" in body:
+            prefill_body["max_completion_tokens"] = 1
+        return prefill_body
+
+    async def _abandon(
+        self, d: Instance, p_task: asyncio.Task | None, d_task: asyncio.Task
+    ) -> None:
+        """Cancel both halves (P and D see their connection closed: each aborts and frees).
+        A D answer already opened (done just as we were cancelled) is closed here."""
+        tasks = [d_task] if p_task is None else [p_task, d_task]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not d_task.cancelled() and d_task.exception() is None:
+            await d_task.result().response.aclose()
+            self.router.release(d)
+
+    async def models(self) -> Response:
+        """The first decode instance's answer. All are asked at once, each for at most the
+        connect timeout: a hung D must not hold up the endpoint for the request timeout."""
+        client = self.upstream.client
+        assert client is not None
+        timeout = self.config.connect_timeout_s
+
+        async def ask(d: Instance) -> Response | None:
+            url = d.info.http_url + "/v1/models"
+            try:
+                r = await client.get(
+                    url, headers=self.upstream.headers(uuid.uuid4().hex), timeout=timeout
+                )
+            except httpx.HTTPError as e:
+                logger.warning("decode %s: /v1/models: %s: %s", d.engine_id, type(e).__name__, e)
+                return None
+            if r.status_code != 200:
+                return None
+            return Response(r.content, 200, media_type="application/json")
+
+        decoders = [i for i in self.registry.live() if i.is_decode]
+        asks = [asyncio.create_task(ask(d)) for d in decoders]
+        try:
+            for answered in asyncio.as_completed(asks):
+                if (answer := await answered) is not None:
+                    return answer
+        finally:
+            for task in asks:
+                task.cancel()
+            await asyncio.gather(*asks, return_exceptions=True)
+        message = "no decode instance is available"
+        if decoders:
+            message = f"no decode instance answered /v1/models (each given {timeout:g} s)"
+        raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+def _log_late_prefill_failure(task: asyncio.Task) -> None:
+    """P failed after D had already answered: D had its KV (or recomputed); just log."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("prefill failed after decode answered: %s", task.exception())
