@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorWorker
 from pagedkv.kv_transfer.factory import register_connector
 from pagedkv.worker.model_runner_output import KVConnectorOutput
@@ -124,7 +125,7 @@ class InProcConnectorWorker(KVConnectorWorker):
             for b in range(load.first_block, len(dst)):
                 if failed_from is not None and b >= failed_from:
                     self._done.invalid_block_ids.add(dst[b])
-                elif dst[b] != 0 and b < src[i].shape[1]:
+                elif dst[b] != NULL_BLOCK_ID and b < src[i].shape[1]:
                     cache[:, dst[b]] = src[i][:, b]
                     self.loaded_blocks += i == 0
         self._done.finished_recving.add(load.request_id)

@@ -34,6 +34,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr, check_engine_id, check_host, check_port
@@ -218,7 +219,11 @@ class P2pConnector(KVConnectorBase):
                 block_ids=block_ids,
                 # The null block stands for window-skipped positions: never loaded into.
                 block_indices=[
-                    [i for i in range(first_block, min(end_block, len(ids))) if ids[i] != 0]
+                    [
+                        i
+                        for i in range(first_block, min(end_block, len(ids)))
+                        if ids[i] != NULL_BLOCK_ID
+                    ]
                     for ids in block_ids
                 ],
             )

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorWorker
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
@@ -362,7 +363,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         num_prompt_blocks = cdiv(spec.num_prompt_tokens, self.block_size)
         for indices, ids in zip(want.block_indices, spec.block_ids):
             limit = min(len(ids), num_prompt_blocks)
-            if any(not 0 <= i < limit or ids[i] == 0 for i in indices):
+            if any(not 0 <= i < limit or ids[i] == NULL_BLOCK_ID for i in indices):
                 return "WANT names blocks outside the prompt or skipped by P's window"
         if len(want.segments) != len(want.block_indices) or any(
             sum(segments) != len(indices)

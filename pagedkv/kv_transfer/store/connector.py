@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
@@ -264,7 +265,7 @@ class StoreConnector(KVConnectorBase):
         assert state.num_saved_blocks is not None
         for i in range(state.num_saved_blocks, num_full):
             for group_id, ids in enumerate(state.block_ids):
-                if ids[i] != 0:  # the null block: a sliding window skipped this position
+                if ids[i] != NULL_BLOCK_ID:  # a sliding window skipped this position
                     key = self._key(group_id, request.block_hashes[i])
                     self._meta.saves.append((request.request_id, BlockRef(group_id, ids[i], key)))
                     state.num_blocks_queued += 1
