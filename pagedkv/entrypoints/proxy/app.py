@@ -43,6 +43,7 @@ from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 
 logger = logging.getLogger(__name__)
@@ -159,26 +160,18 @@ class PDProxy:
             **body,
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": d.engine_id,
-                "remote_host": d.kv.host,
-                "remote_port": d.kv.port,
-            },
+            "kv_transfer_params": KVTransferParams.handoff(
+                transfer_id, d.kv, to="prefill"
+            ).to_dict(),
         }
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in body:
             prefill_body["max_completion_tokens"] = 1
         decode_body = {
             **body,
-            "kv_transfer_params": {
-                "do_remote_prefill": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": p.engine_id,
-                "remote_host": p.kv.host,
-                "remote_port": p.kv.port,
-            },
+            "kv_transfer_params": KVTransferParams.handoff(
+                transfer_id, p.kv, to="decode"
+            ).to_dict(),
         }
         p_task = asyncio.create_task(self._prefill(p, path, prefill_body, headers))
         d_task = asyncio.create_task(

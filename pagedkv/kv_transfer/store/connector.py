@@ -39,6 +39,7 @@ from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
 from pagedkv.kv_transfer.store.config import StoreConfig
@@ -82,20 +83,15 @@ def announced_tokens(request: Request) -> int:
     """The prompt tokens P announced as stored (``kv_transfer_params.store_num_tokens``): 0
     when absent, or when not an integer from 0 to the prompt length (client input: warned
     about and ignored, never an exception on the scheduler thread)."""
-    value = (request.kv_transfer_params or {}).get("store_num_tokens")
-    if value is None:
-        return 0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not 0 <= value <= request.num_prompt_tokens
-    ):
-        logger.warning(
-            "request %s: kv_transfer_params.store_num_tokens must be an integer from 0 to "
-            "the prompt length (%d); ignored",
-            request.request_id,
-            request.num_prompt_tokens,
-        )
+    num_prompt = request.num_prompt_tokens
+    try:
+        params = KVTransferParams.parse(request.kv_transfer_params, ["store_num_tokens"])
+        value = params.store_num_tokens or 0
+        if value > num_prompt:
+            why = f"{value} is more than the prompt's {num_prompt} tokens"
+            raise ValueError(f"kv_transfer_params.store_num_tokens: {why}")
+    except ValueError as e:
+        logger.warning("request %s: %s; ignored", request.request_id, e)
         return 0
     return value
 
@@ -253,7 +249,7 @@ class StoreConnector(KVConnectorBase):
 
     @staticmethod
     def _stores_whole_prompt(request: Request) -> bool:
-        return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        return asks_for(request.kv_transfer_params, "do_remote_decode")
 
     def _add_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
         """List the blocks that this step's forward pass completes."""
@@ -287,7 +283,8 @@ class StoreConnector(KVConnectorBase):
             and request.status.finish_reason in ("length", "stop")
         ):
             num_blocks = min(state.num_saved_blocks or 0, len(request.block_hashes))
-            params = {"do_remote_prefill": True, "store_num_tokens": num_blocks * self.block_size}
+            num_tokens = num_blocks * self.block_size
+            params = KVTransferParams(do_remote_prefill=True, store_num_tokens=num_tokens).to_dict()
         return hold, params
 
     def cancel_load(self, request: Request) -> None:
