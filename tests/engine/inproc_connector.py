@@ -92,17 +92,11 @@ class InProcConnectorWorker(KVConnectorWorker):
         self._done = KVConnectorOutput()
         self.loaded_blocks = 0
 
-    def _group_of_layer(self, layer: int) -> int:
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if f"layers.{layer}" in group.layer_names:
-                return gid
-        raise KeyError(layer)
-
     def start_load_kv(self) -> None:
         meta: InProcMetadata = self._metadata  # type: ignore[assignment]
         for request_id, transfer_id, block_ids in meta.sends:
             STORE[transfer_id] = [
-                cache[:, block_ids[self._group_of_layer(i)]].clone()
+                cache[:, block_ids[self.layer_groups[i]]].clone()
                 for i, cache in enumerate(self.kv_caches)
             ]
             self._done.finished_sending.add(request_id)
@@ -121,7 +115,7 @@ class InProcConnectorWorker(KVConnectorWorker):
     def _finish(self, load: Load, failed_from: int | None) -> None:
         src = STORE[load.transfer_id]
         for i, cache in enumerate(self.kv_caches):
-            dst = load.block_ids[self._group_of_layer(i)]
+            dst = load.block_ids[self.layer_groups[i]]
             for b in range(load.first_block, len(dst)):
                 if failed_from is not None and b >= failed_from:
                     self._done.invalid_block_ids.add(dst[b])

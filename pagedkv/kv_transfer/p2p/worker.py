@@ -186,13 +186,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             self.me.endpoint,
         )
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
-        groups = [0] * len(kv_caches)
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            for name in group.layer_names:
-                groups[int(name.split(".")[1])] = gid
-        self.layer_groups = groups
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
         largest = max(block_bytes(cache) for cache in kv_caches)
         self._half_block_bytes = largest // 2
         self._chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
