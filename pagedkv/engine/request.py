@@ -73,9 +73,6 @@ class Request:
         self.num_computed_tokens = 0
         #: Prompt tokens served from the local prefix cache or a KV connector at admission.
         self.num_cached_tokens = 0
-        #: While in WAITING_FOR_REMOTE_KVS: when the load counts as failed (monotonic clock).
-        self.kv_load_deadline = float("inf")
-        self.kv_load_cancelled = False
         self._all_token_ids = list(prompt_token_ids)
         self._output_token_ids: list[int] = []
         self.block_hashes: list[BlockHash] = []

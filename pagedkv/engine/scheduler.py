@@ -8,18 +8,19 @@ the newest running request (or the lowest-priority one) is preempted by recomput
 freed and it waits again.
 
 With a KV connector, a request whose KV arrives from elsewhere waits in
-``WAITING_FOR_REMOTE_KVS`` (blocks allocated, nothing computed) until the connector reports its
-load finished, or until its deadline, when the load is cancelled and counts as failed. A
-finished request whose blocks a connector still sends from is held in ``sending`` until the
-connector reports the send finished (delivered, refused or lease expired).
+``WAITING_FOR_REMOTE_KVS`` (blocks allocated, nothing computed) until its load ends; a finished
+request may keep its blocks while the connector sends from them. ``KVTransferTracker`` keeps
+that state; the scheduler moves requests between its queues.
 """
 
 from __future__ import annotations
 
-import time
+import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from pagedkv.engine.config import SchedulerConfig
+from pagedkv.engine.kv_transfer_tracker import NO_EXTERNAL_TOKENS, KVTransferTracker
 from pagedkv.engine.outputs import EngineCoreOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import create_request_queue
@@ -28,6 +29,19 @@ from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.worker.model_runner_output import KVConnectorOutput, ModelRunnerOutput
+
+
+class AdmissionOutcome(enum.Enum):
+    SCHEDULED = enum.auto()  # runs this step
+    LOADING = enum.auto()  # blocks allocated; waits for its KV from the connector
+    RETRY = enum.auto()  # the connector does not know yet: look again next step
+    NO_ROOM = enum.auto()  # not enough blocks, or budget without chunking: admission stops
+
+
+class Admission(NamedTuple):
+    outcome: AdmissionOutcome
+    #: Tokens to compute this step (SCHEDULED only).
+    num_new_tokens: int = 0
 
 
 class Scheduler:
@@ -47,14 +61,7 @@ class Scheduler:
         #: Requests the worker must forget (or, if preempted, unbatch) at the next step.
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
-        #: Finished requests whose blocks the connector still sends from.
-        self.sending: dict[str, Request] = {}
-        #: Requests that ended while their KV was still arriving: freed once the load ends.
-        self.ended_while_loading: dict[str, Request] = {}
-        #: Loads that ended (reported by the connector) but whose request is not promoted yet.
-        self.finished_loads: set[str] = set()
-        #: Requests whose load failed under the "fail" policy, with the reason.
-        self.failed_loads: dict[str, str] = {}
+        self.kv_transfers = KVTransferTracker(connector, kv_cache_manager)
         self.stats = SchedulerStats()
 
     # ------------------------------------------------------------------ requests in and out
@@ -78,44 +85,26 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            # A load that already ended (reported, not yet promoted) has nothing to cancel.
-            loading = (
-                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                and request_id not in self.finished_loads
-            )
+            self._remove_from_queue(request)
             request.status = status
-            if loading and self.connector is not None:
-                self.connector.cancel_load(request)
-            self._free_request(request, still_loading=loading)
+            self._free_request(request)
 
-    def _free_request(self, request: Request, still_loading: bool = False) -> dict | None:
-        """Forget a finished request; returns the connector's ``kv_transfer_params``."""
-        request_id = request.request_id
-        del self.requests[request_id]
-        self.finished_req_ids.add(request_id)
-        self.finished_loads.discard(request_id)
-        self.failed_loads.pop(request_id, None)
-        kv = self.kv_cache_manager
-        hold, params = False, None
-        if self.connector is not None:
-            hold, params = self.connector.request_finished(request, kv.get_block_ids(request_id))
-        if not kv.is_allocated(request_id):
-            return params
-        if still_loading:
-            self.ended_while_loading[request_id] = request
-        elif hold:
-            self.sending[request_id] = request
+    def _remove_from_queue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
         else:
-            kv.free(request)
-        return params
+            self.waiting.remove(request)
+
+    def _free_request(self, request: Request) -> dict | None:
+        """Forget a finished request (its blocks are freed now, or once its KV transfer
+        ends); returns the connector's ``kv_transfer_params``."""
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+        return self.kv_transfers.request_finished(request)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request runs, waits, or holds blocks for an unfinished transfer."""
-        return bool(self.requests or self.sending or self.ended_while_loading)
+        return bool(self.requests) or self.kv_transfers.holds_blocks
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -162,32 +151,28 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt (no room to admit anyone).
-        self._cancel_overdue_loads()
+        self.kv_transfers.cancel_overdue_loads()
         skipped: list[Request] = []
         while not preempted and self.waiting and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
             loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            if loading and not self._promote_if_loaded(request):
+            if loading and not self.kv_transfers.promote_if_loaded(request):
                 skipped.append(self.waiting.pop())
                 continue
             admission = self._admit(request, budget)
-            if admission is None:
+            if admission.outcome is AdmissionOutcome.NO_ROOM:
                 break
-            if admission == "skip":
-                skipped.append(self.waiting.pop())
-                continue
-            num_new = admission
             self.waiting.pop()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if admission.outcome is not AdmissionOutcome.SCHEDULED:  # retry, or its KV loads
                 skipped.append(request)
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_new.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            num_scheduled[request.request_id] = admission.num_new_tokens
+            budget -= admission.num_new_tokens
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
@@ -229,86 +214,45 @@ class Scheduler:
             request.num_computed_tokens += n
         return output
 
-    def _admit(self, request: Request, budget: int) -> int | str | None:
-        """Allocate for a waiting request. Returns the tokens to compute this step, "skip" to
-        look again next step, or None when it does not fit (admission stops)."""
+    def _admit(self, request: Request, budget: int) -> Admission:
+        """Allocate for a waiting request: its local prefix hit and the connector's tokens on
+        its first admission; what is left after its remote load once promoted."""
         kv = self.kv_cache_manager
-        hit_blocks, num_hit, num_external, load_async = None, 0, 0, False
+        hit_blocks, num_hit, external = None, 0, NO_EXTERNAL_TOKENS
         first_time = not kv.is_allocated(request.request_id)
         if first_time:
             if request.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
-            if self.connector is not None:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_hit
-                )
-                if num_external is None:
-                    return "skip"
-                load_async = load_async and num_external > 0
-                if not load_async:  # the last prompt token is computed here, for its logits
-                    num_external = min(num_external, request.num_tokens - 1 - num_hit)
-            num_new = 0 if load_async else request.num_tokens - num_hit - num_external
+            external = self.kv_transfers.get_external_tokens(request, num_hit)
+            if external is None:
+                return Admission(AdmissionOutcome.RETRY)
+            num_new = request.num_tokens - num_hit - external.num_tokens
+            if external.load_async:
+                num_new = 0
         else:  # promoted after a remote load: its blocks are allocated, part of it computed
             num_new = request.num_tokens - request.num_computed_tokens
         if num_new > budget and not self.config.enable_chunked_prefill:
-            return None
+            return Admission(AdmissionOutcome.NO_ROOM)
         num_new = min(num_new, budget)
         new_blocks = kv.allocate_slots(
             request,
             num_new,
             num_new_computed_tokens=num_hit,
             new_computed_blocks=hit_blocks if num_hit else None,
-            num_external_computed_tokens=num_external,
-            delay_cache_blocks=load_async,
+            num_external_computed_tokens=external.num_tokens,
+            delay_cache_blocks=external.load_async,
             full_sequence_must_fit=first_time,
         )
         if new_blocks is None:
-            return None
+            return Admission(AdmissionOutcome.NO_ROOM)
         if first_time:
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, kv.get_blocks(request.request_id), num_external
-                )
+            self.kv_transfers.on_allocated(request, external)
             kv.record_prefix_cache_stats(request, num_hit)
-            request.num_computed_tokens = num_hit + num_external
-            request.num_cached_tokens = num_hit + num_external
-        if load_async:
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            request.kv_load_deadline = time.monotonic() + self._kv_load_timeout
-            request.kv_load_cancelled = False
-        return num_new
-
-    @property
-    def _kv_load_timeout(self) -> float:
-        assert self.connector is not None
-        return self.connector.config.kv_load_timeout
-
-    def _promote_if_loaded(self, request: Request) -> bool:
-        """True once the request's remote load has ended: it then computes what is missing
-        (at least the last prompt token, whose logits give the first output token)."""
-        request_id = request.request_id
-        if request_id not in self.finished_loads:
-            return False
-        self.finished_loads.discard(request_id)
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        request.num_cached_tokens = request.num_computed_tokens
-        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-        request.status = RequestStatus.WAITING
-        return True
-
-    def _cancel_overdue_loads(self) -> None:
-        """A load past its deadline is cancelled; the connector then ends it as failed."""
-        if self.connector is None:
-            return
-        now = time.monotonic()
-        for request in self.waiting:
-            if (
-                request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                and now > request.kv_load_deadline
-                and not request.kv_load_cancelled
-            ):
-                request.kv_load_cancelled = True
-                self.connector.cancel_load(request)
+            request.num_computed_tokens = num_hit + external.num_tokens
+            request.num_cached_tokens = num_hit + external.num_tokens
+        if external.load_async:
+            return Admission(AdmissionOutcome.LOADING)
+        return Admission(AdmissionOutcome.SCHEDULED, num_new)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -375,115 +319,29 @@ class Scheduler:
     def _update_from_kv_transfers(
         self, output: KVConnectorOutput, outputs: list[EngineCoreOutput]
     ) -> set[str]:
-        """Apply finished sends and loads and failed blocks; returns running requests whose
-        step must be redone because their synchronously loaded KV was bad."""
-        kv = self.kv_cache_manager
-        if self.connector is not None:
-            self.connector.update_connector_output(output)
-        for request_id in output.finished_sending:
-            request = self.sending.pop(request_id, None)
-            if request is not None:
-                kv.free(request)
-        recompute = self._handle_invalid_blocks(
-            output.invalid_block_ids, output.load_errors, outputs
-        )
-        for request_id in output.finished_recving:
-            ended = self.ended_while_loading.pop(request_id, None)
-            if ended is not None:
-                kv.free(ended)
-                continue
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            reason = self.failed_loads.pop(request_id, None)
-            if reason is not None:
-                self.waiting.remove(request)
-                self._fail_request(request, reason, outputs)
-            else:
-                self.finished_loads.add(request_id)
-        return recompute
-
-    def _handle_invalid_blocks(
-        self,
-        invalid_block_ids: set[int],
-        load_errors: dict[str, str],
-        outputs: list[EngineCoreOutput],
-    ) -> set[str]:
-        """A failed load is a set of block ids. Under the "recompute" policy the affected
-        request keeps the KV before the first bad block and computes the rest itself; under
-        "fail" it ends with an error. Bad blocks never stay in the prefix cache."""
-        if not invalid_block_ids:
-            return set()
-        kv = self.kv_cache_manager
-        policy = self.connector.load_failure_policy  # type: ignore[union-attr]
-        kv.evict_blocks(b for b in invalid_block_ids if 0 < b < kv.block_pool.num_blocks)
-        recompute: set[str] = set()
-        for request in list(self.requests.values()):
-            first_bad = self._first_invalid_token(request, invalid_block_ids)
-            if first_bad is None:
-                continue
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if policy == "fail":
-                    why = load_errors.get(request.request_id, "its blocks did not arrive")
-                    self.failed_loads[request.request_id] = (
-                        f"loading the KV cache from another instance failed: {why} "
-                        "(kv_load_failure_policy=fail)"
-                    )
-                else:
-                    request.num_computed_tokens = min(request.num_computed_tokens, first_bad)
-            elif request.status == RequestStatus.RUNNING:
-                # This step's tokens attended to the bad KV: nothing from the first bad block on
-                # may be hit by another request.
-                kv.evict_blocks(self._block_ids_from(request, first_bad))
-                if policy == "fail":
-                    self.running.remove(request)
-                    self._fail_request(
-                        request,
-                        "loading the KV cache failed (kv_load_failure_policy=fail)",
-                        outputs,
-                    )
-                else:
-                    # Redo from the first bad block: back to waiting with its blocks kept;
-                    # the worker drops its row (and this step's token) and rebuilds it.
-                    self.running.remove(request)
-                    request.num_computed_tokens = min(request.num_computed_tokens, first_bad)
-                    request.status = RequestStatus.WAITING
-                    self.waiting.prepend(request)
-                    self.preempted_req_ids.add(request.request_id)
-                    recompute.add(request.request_id)
-        return recompute
+        """Apply ended sends and loads and bad blocks; returns running requests whose step
+        must be redone because the KV it read was bad."""
+        results = self.kv_transfers.update_from_output(output, self.requests.values())
+        for request, reason in results.failed:
+            self._fail_request(request, reason, outputs)
+        for request in results.redo:
+            # Back to waiting with its blocks kept; the worker drops its row (and this step's
+            # token) and rebuilds it.
+            self.running.remove(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
+            self.preempted_req_ids.add(request.request_id)
+        return {request.request_id for request in results.redo}
 
     def _fail_request(self, request: Request, reason: str, outputs: list[EngineCoreOutput]) -> None:
-        """End a request (already off the running and waiting queues) with an error."""
+        """End a running or waiting request with an error."""
+        self._remove_from_queue(request)
         request.status = RequestStatus.FINISHED_ERROR
         request.error = reason
         self._free_request(request)
         outputs.append(
             EngineCoreOutput(request.request_id, [], finish_reason="error", error=reason)
         )
-
-    def _block_ids_from(self, request: Request, first_token: int) -> set[int]:
-        out: set[int] = set()
-        groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
-        for group, block_ids in zip(
-            groups, self.kv_cache_manager.get_block_ids(request.request_id)
-        ):
-            out.update(block_ids[first_token // group.kv_cache_spec.block_size :])
-        out.discard(0)  # the null block is never cached
-        return out
-
-    def _first_invalid_token(self, request: Request, invalid: set[int]) -> int | None:
-        first = None
-        groups = self.kv_cache_manager.kv_cache_config.kv_cache_groups
-        for group, block_ids in zip(
-            groups, self.kv_cache_manager.get_block_ids(request.request_id)
-        ):
-            for i, block_id in enumerate(block_ids):
-                if block_id in invalid:
-                    token = i * group.kv_cache_spec.block_size
-                    first = token if first is None else min(first, token)
-                    break
-        return first
 
     def _check_stop(self, request: Request) -> None:
         """EOS and stop token ids end a request (the sampler masks them until ``min_tokens``);

@@ -5,7 +5,7 @@ from pagedkv.kv_cache.block_hash import BlockHash, BlockHasher
 from pagedkv.kv_cache.block_pool import BlockPool
 from pagedkv.kv_cache.block_table import BlockTable, MultiGroupBlockTable
 from pagedkv.kv_cache.free_block_queue import FreeKVCacheBlockQueue
-from pagedkv.kv_cache.kv_cache_block import KVCacheBlock
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID, KVCacheBlock
 from pagedkv.kv_cache.kv_cache_config import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -42,6 +42,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheTensor",
     "MultiGroupBlockTable",
+    "NULL_BLOCK_ID",
     "PrefixCacheStats",
     "SlidingWindowSpec",
     "get_kv_cache_config",

@@ -1,7 +1,8 @@
 """BlockPool: owns every block, the free queue (eviction order) and the prefix-cache index.
 
 Invariants (``check_integrity`` verifies all of them):
-  * block 0 is the null block: never in the free queue, never ref-counted, never cached;
+  * block ``NULL_BLOCK_ID`` (0) is the null block: never in the free queue, never
+    ref-counted, never cached;
   * every other block is either in the free queue with ``ref_cnt == 0`` or out of it with
     ``ref_cnt > 0``; so ``num_free + num_used + 1 == num_blocks``;
   * a block has ``block_hash`` set iff the index maps (its group, that hash) to it.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.kv_cache.block_hash import BlockHash
 from pagedkv.kv_cache.free_block_queue import FreeKVCacheBlockQueue
-from pagedkv.kv_cache.kv_cache_block import KVCacheBlock
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID, KVCacheBlock
 from pagedkv.kv_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class BlockPool:
         self.hash_block_size = hash_block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.null_block = self.free_block_queue.popleft()
+        self.null_block = self.free_block_queue.popleft()  # the first block: NULL_BLOCK_ID
         self.null_block.is_null = True
         # One index per KV cache group: hash -> cached block(s) of that group.
         self.cached_block_hash_to_block: list[dict[BlockHash, CachedBlocks]] = [
@@ -209,12 +210,20 @@ class BlockPool:
         holders keep them. Every id is checked before any block is evicted."""
         block_ids = list(block_ids)
         for block_id in block_ids:
-            if not isinstance(block_id, int) or not 0 < block_id < self.num_blocks:
+            if not self.is_usable_block_id(block_id):
                 raise ValueError(f"block id {block_id!r} is not a block of this pool")
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 self._evict_cached_block(block)
+
+    def is_usable_block_id(self, block_id: object) -> bool:
+        """``block_id`` names a block of this pool that requests can hold (not the null one)."""
+        return (
+            isinstance(block_id, int)
+            and 0 <= block_id < self.num_blocks
+            and block_id != NULL_BLOCK_ID
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any request holds blocks."""
@@ -248,7 +257,7 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring (O(num_blocks), for tests)."""
         null = self.null_block
-        assert null.block_id == 0 and null.is_null and null.ref_cnt == 0
+        assert null.block_id == NULL_BLOCK_ID and null.is_null and null.ref_cnt == 0
         assert null.block_hash is None and null.prev_free_block is None
         free = self.free_block_queue.get_all_free_blocks()
         assert len(free) == self.free_block_queue.num_free_blocks, "free count out of sync"

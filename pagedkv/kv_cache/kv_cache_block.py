@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from pagedkv.kv_cache.block_hash import BlockHash
 
+#: The null block, block 0 of every pool: it stands for positions a sliding window skipped.
+#: Never freed, cached, sent or loaded into.
+NULL_BLOCK_ID = 0
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -14,7 +18,7 @@ class KVCacheBlock:
     ``ref_cnt`` counts the requests holding the block. ``block_hash`` is set while the block is
     full and findable in the prefix cache of group ``group_id``; a free block keeps its hash
     (evicted lazily, when it is handed out again). ``prev_free_block``/``next_free_block`` are
-    the links of the free queue, None while the block is not in it. Block 0 is the null block.
+    the links of the free queue, None while the block is not in it.
     """
 
     block_id: int

@@ -11,7 +11,7 @@ and gives the request enough blocks, in every group, to hold all of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.kv_cache.kv_cache_block import KVCacheBlock
@@ -235,8 +235,45 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
 
-    def evict_blocks(self, block_ids: set[int]) -> None:
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
         self.block_pool.evict_blocks(block_ids)
+
+    def evict_invalid_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the blocks whose KV a connector reported bad from the prefix cache (holders
+        keep them). Ids of no block a request can hold (the null block, out of range) are
+        skipped: the report is the connector's, not the pool's."""
+        pool = self.block_pool
+        pool.evict_blocks([b for b in block_ids if pool.is_usable_block_id(b)])
+
+    def first_token_in_blocks(self, request_id: str, block_ids: Container[int]) -> int | None:
+        """The request's first token whose block, in any KV cache group, is in ``block_ids``
+        (None: it holds none of them)::
+
+            block_size 4, the request's blocks [7, 3, 9], block_ids {9, 3}  ->  token 4
+        """
+        first = None
+        for manager, blocks in zip(
+            self.coordinator.single_type_managers, self.coordinator.get_blocks(request_id)
+        ):
+            for i, block in enumerate(blocks):
+                if block.block_id in block_ids:
+                    token = i * manager.block_size
+                    first = token if first is None else min(first, token)
+                    break
+        return first
+
+    def evict_blocks_from(self, request_id: str, first_token: int) -> None:
+        """Drop the request's blocks that hold its tokens from ``first_token`` on from the
+        prefix cache, in every KV cache group (it keeps them; the null block is never cached)."""
+        managers = self.coordinator.single_type_managers
+        self.block_pool.evict_blocks(
+            {
+                block.block_id
+                for manager, blocks in zip(managers, self.coordinator.get_blocks(request_id))
+                for block in blocks[first_token // manager.block_size :]
+                if not block.is_null
+            }
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

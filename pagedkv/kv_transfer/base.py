@@ -107,9 +107,11 @@ class KVConnectorWorker(ABC):
         self.model_fingerprint = model_fingerprint
         self._metadata: KVConnectorMetadata | None = None
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The per-layer caches ``[2, num_blocks, block_size, kv_heads, head_size]``."""
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
+        """The per-layer caches ``[2, num_blocks, block_size, kv_heads, head_size]`` and each
+        layer's KV cache group, both by layer index (the model runner's)."""
         self.kv_caches = kv_caches
+        self.layer_groups = layer_groups
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         self._metadata = metadata

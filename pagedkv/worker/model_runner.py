@@ -84,6 +84,8 @@ class ModelRunner:
         self.gpu_memory_utilization = args.gpu_memory_utilization
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        #: Each layer's name in the KV cache config, by layer index (the one place it is made).
+        self.layer_names = [f"layers.{i}" for i in range(self.model_config.num_hidden_layers)]
         #: The worker half of a KV connector (duck-typed: this layer does not import it).
         self.kv_connector = None
 
@@ -105,7 +107,7 @@ class ModelRunner:
     def get_kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         dtype = str(self.dtype).removeprefix("torch.")
         specs: dict[str, KVCacheSpec] = {}
-        for i, layer in enumerate(self.model_config.kv_cache_layer_specs()):
+        for name, layer in zip(self.layer_names, self.model_config.kv_cache_layer_specs()):
             kw = dict(
                 block_size=block_size,
                 num_kv_heads=layer.num_kv_heads,
@@ -113,9 +115,9 @@ class ModelRunner:
                 dtype=dtype,
             )
             if layer.sliding_window is None:
-                specs[f"layers.{i}"] = FullAttentionSpec(**kw)
+                specs[name] = FullAttentionSpec(**kw)
             else:
-                specs[f"layers.{i}"] = SlidingWindowSpec(sliding_window=layer.sliding_window, **kw)
+                specs[name] = SlidingWindowSpec(sliding_window=layer.sliding_window, **kw)
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -123,10 +125,11 @@ class ModelRunner:
         ``KVCacheTensor``; layers of different groups at the same position share it."""
         self.kv_cache_config = kv_cache_config
         num_layers = self.model_config.num_hidden_layers
+        layer_index = {name: i for i, name in enumerate(self.layer_names)}
         caches: list[torch.Tensor | None] = [None] * num_layers
         layer_specs = self.model_config.kv_cache_layer_specs()
         for tensor in kv_cache_config.kv_cache_tensors:
-            first = layer_specs[int(tensor.shared_by[0].split(".")[1])]
+            first = layer_specs[layer_index[tensor.shared_by[0]]]
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
             # Zeroed, not empty: padding slots are masked out, but 0 * NaN would still be NaN.
             cache = torch.zeros(
@@ -135,13 +138,13 @@ class ModelRunner:
                 device=self.device,
             )
             for name in tensor.shared_by:
-                caches[int(name.split(".")[1])] = cache
+                caches[layer_index[name]] = cache
         assert all(c is not None for c in caches)
         self.kv_caches = caches  # type: ignore[assignment]
         self.layer_to_group = [0] * num_layers
         for gid, group in enumerate(kv_cache_config.kv_cache_groups):
             for name in group.layer_names:
-                self.layer_to_group[int(name.split(".")[1])] = gid
+                self.layer_to_group[layer_index[name]] = gid
         group_specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
         self.group_block_sizes = [spec.block_size for spec in group_specs]
         self.group_windows = [getattr(spec, "sliding_window", None) for spec in group_specs]
@@ -187,7 +190,7 @@ class ModelRunner:
     def set_kv_connector(self, connector) -> None:
         """Attach a KV connector's worker half; it gets the caches and per-layer hooks."""
         self.kv_connector = connector
-        connector.register_kv_caches(self.kv_caches)
+        connector.register_kv_caches(self.kv_caches, self.layer_to_group)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

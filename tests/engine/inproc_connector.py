@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorWorker
 from pagedkv.kv_transfer.factory import register_connector
 from pagedkv.worker.model_runner_output import KVConnectorOutput
@@ -91,17 +92,11 @@ class InProcConnectorWorker(KVConnectorWorker):
         self._done = KVConnectorOutput()
         self.loaded_blocks = 0
 
-    def _group_of_layer(self, layer: int) -> int:
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if f"layers.{layer}" in group.layer_names:
-                return gid
-        raise KeyError(layer)
-
     def start_load_kv(self) -> None:
         meta: InProcMetadata = self._metadata  # type: ignore[assignment]
         for request_id, transfer_id, block_ids in meta.sends:
             STORE[transfer_id] = [
-                cache[:, block_ids[self._group_of_layer(i)]].clone()
+                cache[:, block_ids[self.layer_groups[i]]].clone()
                 for i, cache in enumerate(self.kv_caches)
             ]
             self._done.finished_sending.add(request_id)
@@ -120,11 +115,11 @@ class InProcConnectorWorker(KVConnectorWorker):
     def _finish(self, load: Load, failed_from: int | None) -> None:
         src = STORE[load.transfer_id]
         for i, cache in enumerate(self.kv_caches):
-            dst = load.block_ids[self._group_of_layer(i)]
+            dst = load.block_ids[self.layer_groups[i]]
             for b in range(load.first_block, len(dst)):
                 if failed_from is not None and b >= failed_from:
                     self._done.invalid_block_ids.add(dst[b])
-                elif dst[b] != 0 and b < src[i].shape[1]:
+                elif dst[b] != NULL_BLOCK_ID and b < src[i].shape[1]:
                     cache[:, dst[b]] = src[i][:, b]
                     self.loaded_blocks += i == 0
         self._done.finished_recving.add(load.request_id)

@@ -8,6 +8,7 @@ import pytest
 
 import tests.engine.inproc_connector as inproc
 from pagedkv import SamplingParams
+from pagedkv.engine.kv_transfer_tracker import TransferPhase
 from tests.engine.conftest import run
 from tests.tiny_models import random_prompt
 
@@ -130,10 +131,12 @@ def test_abort_after_the_load_ended_but_before_promotion_frees_at_once(make_llm)
     loaded = engine.add_request(None, prompt, GREEDY, kv_transfer_params=params)
     engine.add_request(None, random_prompt(9, seed=7), GREEDY)
     engine.step()  # L's load starts and ends; R takes the only slot
-    assert loaded in engine.scheduler.finished_loads
+    transfers = engine.scheduler.kv_transfers
+    assert transfers.phase(loaded) is TransferPhase.LOADED
     engine.abort_request(loaded)
+    assert transfers.phase(loaded) is None and not transfers.holds_blocks
     run(engine, [])
-    assert engine.kv_cache_manager.usage == 0 and not engine.scheduler.finished_loads
+    assert engine.kv_cache_manager.usage == 0
 
 
 def test_an_id_whose_blocks_are_still_held_is_refused(make_llm) -> None:

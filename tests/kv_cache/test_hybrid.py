@@ -150,3 +150,27 @@ def test_an_empty_or_one_token_request_looks_up_nothing():
     for tokens in ([], [0]):
         blocks, num_hit = mgr.get_computed_blocks(Req("e", tokens, hasher))
         assert num_hit == 0 and blocks.get_block_ids() == ([], [])
+
+
+def test_a_bad_load_found_and_evicted_through_the_managers_api():
+    """What the scheduler does with a connector's invalid block ids: find the request's first
+    bad token over every group, drop its blocks from there on from the prefix cache."""
+    mgr, hasher = hybrid_after_one_prompt(full_spec(), swa_spec(32))
+    req = Req("q", PROMPT + [9], hasher)
+    blocks, num_hit = mgr.get_computed_blocks(req)
+    mgr.allocate_slots(req, 1, num_hit, blocks)
+    assert mgr.get_block_ids("q") == ([1, 2, 3, 4, 5, 11], [0, 0, 0, 9, 10, 12])
+    assert mgr.first_token_in_blocks("q", {10}) == 4 * BS  # the SWA group's 5th block
+    assert mgr.first_token_in_blocks("q", {10, 3}) == 2 * BS  # the earliest over both groups
+    assert mgr.first_token_in_blocks("q", {7, 99}) is None
+    assert mgr.first_token_in_blocks("nobody", {1}) is None
+
+    mgr.evict_blocks_from("q", 3 * BS)
+    assert cached_ids(mgr) == {1, 2, 3, 6, 7, 8}
+    assert ref_cnts(mgr, range(1, 13)) == [1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]
+    # A connector's report may name the null block or ids beyond the pool: skipped.
+    mgr.evict_invalid_blocks([0, 2, 21, -1, 99])
+    assert cached_ids(mgr) == {1, 3, 6, 7, 8}
+    mgr.check_integrity()
+    mgr.free(req)
+    mgr.check_integrity()

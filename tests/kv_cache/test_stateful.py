@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 )
 
 from pagedkv.kv_cache import (
+    NULL_BLOCK_ID,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -138,7 +139,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         they hold."""
         for g, table in enumerate(self._tables(req)):
             for i, bid in enumerate(table):
-                if bid == 0:
+                if bid == NULL_BLOCK_ID:
                     continue
                 kept = i < len(before[g]) and before[g][i] == bid
                 if not kept:
@@ -351,6 +352,27 @@ class KVCacheMachine(RuleBasedStateMachine):
                 self.evicted_held.add(bid)
         self.mgr.evict_blocks(block_ids)
         assert all(pool.blocks[bid].block_hash is None for bid in block_ids)
+
+    @precondition(lambda self: self._has(LOADING, RUNNING))
+    @rule(data=st.data())
+    def report_bad_kv(self, data):
+        """A connector reports some of a request's blocks bad, plus ids of no block: the
+        scheduler finds the first bad token and uncaches the request's blocks from there on."""
+        req = self._pick(data, LOADING, RUNNING)
+        mgr, pool = self.mgr, self.mgr.block_pool
+        tables = self._tables(req)
+        held = sorted({bid for table in tables for bid in table if bid != NULL_BLOCK_ID})
+        if not held:
+            return
+        bad = data.draw(st.sets(st.sampled_from(held), min_size=1, max_size=2), label="bad")
+        first = mgr.first_token_in_blocks(req.request_id, bad)
+        assert first == min(i * BS for table in tables for i, bid in enumerate(table) if bid in bad)
+        from_first = {bid for table in tables for bid in table[first // BS :]}
+        dropped = bad | (from_first - {NULL_BLOCK_ID})
+        self.evicted_held |= {bid for bid in dropped if pool.blocks[bid].block_hash is not None}
+        mgr.evict_invalid_blocks([*bad, NULL_BLOCK_ID, -1, self.num_blocks])
+        mgr.evict_blocks_from(req.request_id, first)
+        assert all(pool.blocks[bid].block_hash is None for bid in dropped)
 
     @rule()
     def reset_prefix_cache(self):

@@ -427,7 +427,7 @@ def p2p_worker_for(role: str, send_type: str = "PUT_ASYNC") -> p2p_worker.P2pCon
     )  # fmt: skip
     kv_cache_config = KVCacheConfig(16, (KVCacheGroupSpec(("layers.0",), spec),))
     worker = p2p_worker.P2pConnectorWorker(config, kv_cache_config, "fp")
-    worker.register_kv_caches([torch.randn(2, 16, 4, 2, 8)])
+    worker.register_kv_caches([torch.randn(2, 16, 4, 2, 8)], [0])
     return worker
 
 

@@ -44,6 +44,7 @@ from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig, Upstream, UpstreamError
+from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +136,9 @@ class PDProxy:
                     p, path, self._prefill_body(body, d, transfer_id), transfer_id
                 )
             )
-            decode_body["kv_transfer_params"] = {
-                "do_remote_prefill": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": p.engine_id,
-                "remote_host": p.kv.host,
-                "remote_port": p.kv.port,
-            }
+            decode_body["kv_transfer_params"] = KVTransferParams.handoff(
+                transfer_id, p.kv, to="decode"
+            ).to_dict()
         d_task = asyncio.create_task(
             self.upstream.open_decode(
                 d, path, decode_body, self.upstream.headers(decode_id or transfer_id), stream
@@ -179,13 +176,9 @@ class PDProxy:
             **body,
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": d.engine_id,
-                "remote_host": d.kv.host,
-                "remote_port": d.kv.port,
-            },
+            "kv_transfer_params": KVTransferParams.handoff(
+                transfer_id, d.kv, to="prefill"
+            ).to_dict(),
         }
         prefill_body.pop("stream_options", None)
         if "max_completion_tokens" in body:

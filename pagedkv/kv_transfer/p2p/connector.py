@@ -1,11 +1,11 @@
 """P2pConnector, scheduler half: plans loads (D) and holds (P); never touches a tensor or socket.
 
-kv_transfer_params, minted by the proxy (``transfer_id`` is the router's, never parsed from a
-request id)::
+``KVTransferParams``, minted by the proxy (``transfer_id`` is the router's, never parsed from a
+request id), read here::
 
-    D: {"do_remote_prefill": true, "transfer_id", "remote_host", "remote_port",
-        "remote_engine_id"}                      <- P's KV address
-    P: {"do_remote_decode": true, "transfer_id", ["remote_engine_id"]}
+    D: do_remote_prefill, transfer_id, remote_engine_id, remote_host, remote_port
+                                                 <- P's KV address (all required)
+    P: do_remote_decode, transfer_id, [remote_engine_id]
                                                  <- D's engine id (optional): only D may pull
 
 D. A request with ``do_remote_prefill`` and a local prefix hit of ``h`` tokens (block aligned)
@@ -31,12 +31,15 @@ from __future__ import annotations
 import hashlib
 import logging
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr, check_engine_id, check_host, check_port
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
@@ -47,7 +50,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MAX_TRANSFER_ID_LEN = 256
+#: P's address, as D reads it (all required).
+_PEER_FIELDS = ("remote_engine_id", "remote_host", "remote_port")
+#: What P reads; ``remote_engine_id`` is optional there.
+_SEND_FIELDS = ("do_remote_decode", "transfer_id", "remote_engine_id")
 #: Finish reasons after which a producer's prompt KV is complete and worth sending.
 _SENDABLE = ("length", "stop")
 
@@ -55,29 +61,6 @@ _SENDABLE = ("length", "stop")
 def prompt_hash(token_ids: list[int]) -> str:
     """Both ends compare it: P and D must hold the same prompt for the same transfer."""
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
-
-
-def transfer_id_of(params: dict[str, Any]) -> str:
-    tid = params.get("transfer_id")
-    if not isinstance(tid, str) or not 0 < len(tid) <= _MAX_TRANSFER_ID_LEN:
-        raise ValueError("kv_transfer_params.transfer_id must be a non-empty string (<= 256)")
-    return tid
-
-
-def remote_peer(params: dict[str, Any]) -> PeerAddr:
-    """P's KV address from a consumer's kv_transfer_params; ValueError names a bad field.
-    Each field gets the check PeerAddr makes on it (types included)."""
-    fields = (
-        ("remote_engine_id", check_engine_id),
-        ("remote_host", check_host),
-        ("remote_port", check_port),
-    )
-    for name, check in fields:
-        try:
-            check(params.get(name))
-        except ValueError as e:
-            raise ValueError(f"kv_transfer_params.{name}: {e}") from None
-    return PeerAddr(*(params[name] for name, _ in fields))
 
 
 class RemoteLoad(NamedTuple):
@@ -89,12 +72,20 @@ class RemoteLoad(NamedTuple):
     error: str | None
 
 
-def parse_remote_load(params: dict[str, Any]) -> RemoteLoad:
+def parse_remote_load(raw: Mapping[str, Any]) -> RemoteLoad:
+    """D's load from a request's kv_transfer_params (which ask for a remote prefill); a
+    malformed or missing field fails it, named in ``error``."""
+    transfer_id = ""  # kept for the log when only P's address is malformed
     try:
-        return RemoteLoad(transfer_id_of(params), remote_peer(params), None)
+        tid = KVTransferParams.parse(raw, ["transfer_id"], required=["transfer_id"]).transfer_id
+        transfer_id = tid or ""
+        params = KVTransferParams.parse(
+            raw, ["do_remote_prefill", *_PEER_FIELDS], required=_PEER_FIELDS
+        )
     except ValueError as e:
-        tid = params.get("transfer_id")
-        return RemoteLoad(tid if isinstance(tid, str) else "", None, str(e))
+        return RemoteLoad(transfer_id, None, str(e))
+    peer = PeerAddr(params.remote_engine_id, params.remote_host, params.remote_port)
+    return RemoteLoad(transfer_id, peer, None)
 
 
 @dataclass(slots=True)
@@ -177,10 +168,10 @@ class P2pConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ D
     def _remote_load(self, request: Request) -> RemoteLoad | None:
-        params = request.kv_transfer_params
-        if not self.config.is_kv_consumer or not params or not params.get("do_remote_prefill"):
+        raw = request.kv_transfer_params
+        if not self.config.is_kv_consumer or not asks_for(raw, "do_remote_prefill"):
             return None
-        return parse_remote_load(params)
+        return parse_remote_load(raw)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -218,7 +209,11 @@ class P2pConnector(KVConnectorBase):
                 block_ids=block_ids,
                 # The null block stands for window-skipped positions: never loaded into.
                 block_indices=[
-                    [i for i in range(first_block, min(end_block, len(ids))) if ids[i] != 0]
+                    [
+                        i
+                        for i in range(first_block, min(end_block, len(ids)))
+                        if ids[i] != NULL_BLOCK_ID
+                    ]
                     for ids in block_ids
                 ],
             )
@@ -234,20 +229,26 @@ class P2pConnector(KVConnectorBase):
         self._meta.cancels.append(request.request_id)
 
     # ------------------------------------------------------------------ P
+    def _send_params(self, request: Request) -> KVTransferParams | None:
+        """P: the params of a request whose KV goes to D (None: it does not ask for that);
+        ValueError names a malformed field."""
+        raw = request.kv_transfer_params
+        if not self.config.is_kv_producer or not asks_for(raw, "do_remote_decode"):
+            return None
+        return KVTransferParams.parse(raw, _SEND_FIELDS, required=["transfer_id"])
+
     def _track_producer(self, request: Request) -> None:
-        params = request.kv_transfer_params
-        if (
-            not self.config.is_kv_producer
-            or not params
-            or not params.get("do_remote_decode")
-            or request.request_id in self._producing
-        ):
+        if request.request_id in self._producing:
             return
         try:
-            transfer_id = transfer_id_of(params)
+            params = self._send_params(request)
         except ValueError as e:
             logger.warning("request %s: %s; its KV will not be sent", request.request_id, e)
             return
+        if params is None:
+            return
+        transfer_id = params.transfer_id
+        assert transfer_id is not None
         owner = self._sending_tids.setdefault(transfer_id, request.request_id)
         if owner != request.request_id:
             logger.warning(
@@ -258,10 +259,9 @@ class P2pConnector(KVConnectorBase):
                 owner,
             )
             return
-        expected = params.get("remote_engine_id")
         self._producing[request.request_id] = _Producing(
             transfer_id,
-            expected if isinstance(expected, str) else None,
+            params.remote_engine_id,
             request.num_prompt_tokens,
             prompt_hash(request.prompt_token_ids),
         )
@@ -317,13 +317,14 @@ class P2pConnector(KVConnectorBase):
         elif self._loading_tids.get(loaded.transfer_id) == request_id:
             del self._loading_tids[loaded.transfer_id]
         producing = self._producing.pop(request_id, None)
-        params = request.kv_transfer_params or {}
-        if not (self.config.is_kv_producer and params.get("do_remote_decode")):
-            return False, None
         try:
-            transfer_id = transfer_id_of(params)
-        except ValueError:
+            params = self._send_params(request)
+        except ValueError:  # warned about at admission
             return False, None
+        if params is None:
+            return False, None
+        transfer_id = params.transfer_id
+        assert transfer_id is not None
         owner = self._sending_tids.get(transfer_id)
         if owner is not None and owner != request_id:
             return False, None  # refused at admission: the live transfer is another request's
@@ -343,10 +344,5 @@ class P2pConnector(KVConnectorBase):
                 producing.expected_peer,
             )
         )
-        return True, {
-            "do_remote_prefill": True,
-            "transfer_id": transfer_id,
-            "remote_host": self.config.kv_ip,
-            "remote_port": self.config.kv_port,
-            "remote_engine_id": self.config.engine_id,
-        }
+        me = PeerAddr(self.config.engine_id, self.config.kv_ip, self.config.kv_port)
+        return True, KVTransferParams.handoff(transfer_id, me, to="decode").to_dict()

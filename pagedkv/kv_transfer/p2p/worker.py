@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.base import KVConnectorWorker
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
@@ -185,13 +186,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             self.me.endpoint,
         )
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = kv_caches
-        groups = [0] * len(kv_caches)
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            for name in group.layer_names:
-                groups[int(name.split(".")[1])] = gid
-        self.layer_groups = groups
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
         largest = max(block_bytes(cache) for cache in kv_caches)
         self._half_block_bytes = largest // 2
         self._chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
@@ -362,7 +358,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         num_prompt_blocks = cdiv(spec.num_prompt_tokens, self.block_size)
         for indices, ids in zip(want.block_indices, spec.block_ids):
             limit = min(len(ids), num_prompt_blocks)
-            if any(not 0 <= i < limit or ids[i] == 0 for i in indices):
+            if any(not 0 <= i < limit or ids[i] == NULL_BLOCK_ID for i in indices):
                 return "WANT names blocks outside the prompt or skipped by P's window"
         if len(want.segments) != len(want.block_indices) or any(
             sum(segments) != len(indices)

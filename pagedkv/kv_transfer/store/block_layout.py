@@ -16,13 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedkv.kv_cache.kv_cache_config import KVCacheGroupSpec
-
-
-def _layer_index(layer_name: str) -> int:
-    """``"layers.7"`` -> 7 (the model runner's layer naming)."""
-    return int(layer_name.rsplit(".", 1)[1])
-
 
 @dataclass(frozen=True)
 class GroupLayout:
@@ -33,9 +26,10 @@ class GroupLayout:
 
     @classmethod
     def of_group(
-        cls, group_id: int, group: KVCacheGroupSpec, kv_caches: Sequence[torch.Tensor]
+        cls, group_id: int, layer_groups: Sequence[int], kv_caches: Sequence[torch.Tensor]
     ) -> GroupLayout:
-        layers = tuple(_layer_index(name) for name in group.layer_names)
+        """``layer_groups``: each layer's KV cache group, by layer index."""
+        layers = tuple(i for i, gid in enumerate(layer_groups) if gid == group_id)
         shapes = {tuple(kv_caches[i].view(torch.uint8).shape) for i in layers}
         assert len(shapes) == 1, f"KV cache group {group_id} mixes cache shapes {shapes}"
         (shape,) = shapes

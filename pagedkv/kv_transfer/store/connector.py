@@ -35,9 +35,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
 from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
@@ -83,20 +85,15 @@ def announced_tokens(request: Request) -> int:
     """The prompt tokens P announced as stored (``kv_transfer_params.store_num_tokens``): 0
     when absent, or when not an integer from 0 to the prompt length (client input: warned
     about and ignored, never an exception on the scheduler thread)."""
-    value = (request.kv_transfer_params or {}).get("store_num_tokens")
-    if value is None:
-        return 0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not 0 <= value <= request.num_prompt_tokens
-    ):
-        logger.warning(
-            "request %s: kv_transfer_params.store_num_tokens must be an integer from 0 to "
-            "the prompt length (%d); ignored",
-            request.request_id,
-            request.num_prompt_tokens,
-        )
+    num_prompt = request.num_prompt_tokens
+    try:
+        params = KVTransferParams.parse(request.kv_transfer_params, ["store_num_tokens"])
+        value = params.store_num_tokens or 0
+        if value > num_prompt:
+            why = f"{value} is more than the prompt's {num_prompt} tokens"
+            raise ValueError(f"kv_transfer_params.store_num_tokens: {why}")
+    except ValueError as e:
+        logger.warning("request %s: %s; ignored", request.request_id, e)
         return 0
     return value
 
@@ -254,7 +251,7 @@ class StoreConnector(KVConnectorBase):
 
     @staticmethod
     def _stores_whole_prompt(request: Request) -> bool:
-        return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        return asks_for(request.kv_transfer_params, "do_remote_decode")
 
     def _add_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
         """List the blocks that this step's forward pass completes."""
@@ -266,7 +263,7 @@ class StoreConnector(KVConnectorBase):
         assert state.num_saved_blocks is not None
         for i in range(state.num_saved_blocks, num_full):
             for group_id, ids in enumerate(state.block_ids):
-                if ids[i] != 0:  # the null block: a sliding window skipped this position
+                if ids[i] != NULL_BLOCK_ID:  # a sliding window skipped this position
                     key = self._key(group_id, request.block_hashes[i])
                     self._meta.saves.append((request.request_id, BlockRef(group_id, ids[i], key)))
                     state.num_blocks_queued += 1
@@ -288,7 +285,8 @@ class StoreConnector(KVConnectorBase):
             and request.status.finish_reason in ("length", "stop")
         ):
             num_blocks = min(state.num_saved_blocks or 0, len(request.block_hashes))
-            params = {"do_remote_prefill": True, "store_num_tokens": num_blocks * self.block_size}
+            num_tokens = num_blocks * self.block_size
+            params = KVTransferParams(do_remote_prefill=True, store_num_tokens=num_tokens).to_dict()
         return hold, params
 
     def get_kv_connector_stats(self) -> dict[str, int | float]:

@@ -44,11 +44,11 @@ class StoreConnectorWorker(KVConnectorWorker):
         #: it was computed over the missing blocks (the scheduler recomputes them).
         self._failed_sync_req_ids: set[str] = set()
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
+        super().register_kv_caches(kv_caches, layer_groups)
         self.layouts = [
-            GroupLayout.of_group(gid, group, kv_caches)
-            for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
+            GroupLayout.of_group(gid, layer_groups, kv_caches)
+            for gid in range(len(self.kv_cache_config.kv_cache_groups))
         ]
         if self.config.is_kv_consumer:
             self.fetcher = BlockFetcher(
