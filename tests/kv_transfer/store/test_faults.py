@@ -111,15 +111,15 @@ def test_redis_killed_mid_run_then_restarted(redis_server, make_llm):
 
     # B finds `stored` in the store, then Redis dies before B's loader fetches anything.
     scheduler_half, worker = connector_halves(b)
-    get_many = worker.backend.get_many
+    get_into = worker.backend.get_into
 
-    def die_then_get(keys):
+    def die_then_get(keys, rows):
         redis_server.stop()
-        return get_many(keys)
+        return get_into(keys, rows)
 
-    worker.backend.get_many = die_then_get
+    worker.backend.get_into = die_then_get
     outs = b.generate(stored + fresh, GREEDY, use_tqdm=False)
-    worker.backend.get_many = get_many
+    worker.backend.get_into = get_into
     assert token_ids(outs) == expected
     assert scheduler_half.stats.num_hit_blocks == 3 * 3
     assert worker.stats.num_load_errors == 3 * 3 and worker.stats.num_blocks_loaded == 0
@@ -147,7 +147,7 @@ def test_redis_killed_mid_run_then_restarted(redis_server, make_llm):
 
 
 def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
-    """The writer is stuck in put_many: puts beyond the bounded queue are dropped, steps go on."""
+    """The writer is stuck in put_from: puts beyond the bounded queue are dropped, steps go on."""
     config = store_kv_config(redis_server.url, "kv_both", put_queue_mb=0.01, flush_timeout_s=0.3)
     llm = make_llm("llama", kv_transfer_config=config)
     prompts = [random_prompt(70, seed=s) for s in range(40, 46)]
@@ -155,14 +155,14 @@ def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
     _, worker = connector_halves(llm)
     release = threading.Event()
     entered = threading.Event()
-    put_many = worker.backend.put_many
+    put_from = worker.backend.put_from
 
-    def blocked_put_many(items):
+    def blocked_put_from(keys, rows):
         entered.set()
         release.wait(timeout=30)
-        put_many(items)
+        put_from(keys, rows)
 
-    worker.backend.put_many = blocked_put_many
+    worker.backend.put_from = blocked_put_from
     try:
         engine = llm.llm_engine
         run(engine, [(random_prompt(20, seed=39), GREEDY, None)])  # one block: the writer sticks
@@ -248,15 +248,15 @@ def test_a_load_stuck_in_the_store_ends_by_abort_or_deadline(ending, redis_serve
     b = make_llm("llama", kv_transfer_config=config)
     a.generate([prompt], GREEDY, use_tqdm=False)
     _, worker = connector_halves(b)
-    get_many = worker.backend.get_many
+    get_into = worker.backend.get_into
     fetching, release = threading.Event(), threading.Event()
 
-    def stuck_get_many(keys):
+    def stuck_get_into(keys, rows):
         fetching.set()
         release.wait(30)  # stands in for a slow store; a real one is bounded by timeout_s
-        return get_many(keys)
+        return get_into(keys, rows)
 
-    worker.backend.get_many = stuck_get_many
+    worker.backend.get_into = stuck_get_into
     engine = b.llm_engine
     rid = engine.add_request(None, prompt, GREEDY)
     engine.step()  # admitted: the load's deadline is at most 0.3 s from now
@@ -296,13 +296,13 @@ def test_a_preempted_request_holds_its_blocks_until_its_earlier_puts_end(redis_s
         "llama", num_gpu_blocks_override=5, max_model_len=64, kv_transfer_config=config
     )
     _, worker = connector_halves(producer)
-    put_many = worker.backend.put_many
+    put_from = worker.backend.put_from
 
-    def slow_put_many(items):
+    def slow_put_from(keys, rows):
         time.sleep(0.3)
-        put_many(items)
+        put_from(keys, rows)
 
-    worker.backend.put_many = slow_put_many
+    worker.backend.put_from = slow_put_from
     outs = run(producer.llm_engine, [(short, params[0], None), (long, params[1], None)])
     assert token_ids(outs) == expected
     assert producer.llm_engine.get_stats().num_preemptions == 1

@@ -71,13 +71,13 @@ def test_d_waits_for_blocks_p_is_still_writing(redis_server, make_llm):
         "llama", kv_transfer_config=store_kv_config(redis_server.url, "kv_consumer")
     )
     backend = producer.llm_engine.model_runner.kv_connector.backend
-    real_put_many = backend.put_many
+    real_put_from = backend.put_from
 
-    def slow_put_many(items):
+    def slow_put_from(keys, rows):
         time.sleep(0.3)
-        real_put_many(items)
+        real_put_from(keys, rows)
 
-    backend.put_many = slow_put_many
+    backend.put_from = slow_put_from
     p_engine, d_engine = producer.llm_engine, consumer.llm_engine
     p_engine.add_request(
         None,
