@@ -20,8 +20,18 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
-@pytest.mark.parametrize("load_mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("store_url", "arch", "load_mode"),
+    [
+        (store, arch, load_mode)
+        for store in ("redis", "file")
+        for arch in ("llama", "qwen2_hybrid")
+        for load_mode in ("async", "sync")
+    ]
+    # Mooncake: each mode once (a Mooncake engine takes ~3 s to shut down).
+    + [("mooncake", "llama", "sync"), ("mooncake", "qwen2_hybrid", "async")],
+    indirect=["store_url"],
+)
 def test_1p1d_through_the_store_equals_a_single_instance(arch, load_mode, store_url, make_llm):
     prompts = [random_prompt(n, seed=n) for n in (5, 16, 33, 47, 80)]
     expected = make_llm(arch).generate(prompts, GREEDY, use_tqdm=False)
