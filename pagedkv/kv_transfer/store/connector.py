@@ -133,7 +133,9 @@ class StoreConnector(KVConnectorBase):
             raise ValueError("StoreConnector needs one block_size for every KV cache group")
         self.block_size = specs[0].block_size
         self.windows = [window_blocks(spec) for spec in specs]
-        self.backend = create_backend(self.store_config) if config.is_kv_consumer else None
+        self.backend = (
+            create_backend(self.store_config, lookups_only=True) if config.is_kv_consumer else None
+        )
         self.stats = StoreStats()
         self._saves: dict[str, _SaveState] = {}
         self._lookups: dict[str, _Lookup] = {}

@@ -14,11 +14,12 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
-from pagedkv.kv_transfer.store.block_codec import CorruptValue, decode_value
+from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, CorruptValue, decode_value
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
 from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
@@ -27,7 +28,7 @@ from pagedkv.kv_transfer.store.stats import StoreStats
 logger = logging.getLogger(__name__)
 _failures = RateLimitedLog(logger)
 
-#: Blocks per ``get_many`` call: bounds the memory one call holds (64 MiB at 2 MiB per block).
+#: Blocks per ``get_into`` call: bounds the memory one call holds (64 MiB at 2 MiB per block).
 GET_BATCH_BLOCKS = 32
 
 
@@ -45,6 +46,13 @@ class BlockFetcher:
         self.kv_caches = kv_caches
         self.stats = stats
         self.recent_keys = recent_keys
+        #: Where a zero-copy backend fetches a batch: one row per block, as long as the longest
+        #: value (allocated once, so pages are touched only by a backend that writes them).
+        self.rows = np.empty(
+            (GET_BATCH_BLOCKS, HEADER_SIZE + max(layout.payload_size for layout in layouts)),
+            dtype=np.uint8,
+        )
+        backend.register_buffer(self.rows)
 
     def load(
         self, blocks: Sequence[BlockRef], is_cancelled: Callable[[], bool] = lambda: False
@@ -61,7 +69,7 @@ class BlockFetcher:
             stats.num_load_cancelled += len(chunk)
             return {ref.block_id for ref in chunk}
         try:
-            values = self.backend.get_many([ref.key for ref in chunk])
+            values = self.backend.get_into([ref.key for ref in chunk], self.rows)
         except StoreError as e:
             stats.num_load_errors += len(chunk)
             _failures.warning(

@@ -3,7 +3,7 @@
 The engine thread hands over ``PutJob`` snapshots (already copied out of the paged cache). The
 queue is bounded in bytes: when a job does not fit, the caller drops it (and counts it) instead
 of waiting. The writer skips keys already in the store (one ``exists_many`` per job), encodes
-the rest into one buffer and writes them with one ``put_many``.
+the rest into one reused buffer and writes them with one ``put_from`` (rows of that buffer).
 
 A finished request whose blocks were held (``await_flush``) is reported by ``take_flushed``
 once every job it had queued has ended (stored, skipped or failed), or at its deadline.
@@ -30,7 +30,7 @@ from pagedkv.kv_transfer.store.stats import StoreStats
 logger = logging.getLogger(__name__)
 _failures = RateLimitedLog(logger)
 
-#: Blocks per ``put_many`` call; the writer encodes them into one reused buffer.
+#: Blocks per ``put_from`` call; the writer encodes them into one reused buffer.
 PUT_BATCH_BLOCKS = 32
 
 
@@ -138,11 +138,12 @@ class BlockWriter:
             stats.num_puts_skipped_stored += len(keys) - len(todo)
             if todo:
                 size = layout.payload_size
-                batch = ValueBatch(len(todo), size, self._storage(len(todo), size))
+                batch = ValueBatch(len(todo), size, self._storage(size))
                 rows = slice(start, end) if len(todo) == len(keys) else todo
                 layout.pack(snapshot, rows, batch.payloads)
                 todo_keys = [all_keys[i] for i in todo]
-                self.backend.put_many(list(zip(todo_keys, batch.seal(todo_keys))))
+                batch.seal(todo_keys)
+                self.backend.put_from(todo_keys, batch.buffer)
                 stats.num_blocks_put += len(todo)
                 stats.num_bytes_put += batch.buffer.nbytes
         except StoreError as e:
@@ -151,9 +152,13 @@ class BlockWriter:
             return
         self.recent_keys.add_many(keys)
 
-    def _storage(self, num_values: int, payload_size: int) -> np.ndarray:
-        """The reused encode buffer, grown to fit (at most PUT_BATCH_BLOCKS values)."""
-        nbytes = ValueBatch.nbytes_for(num_values, payload_size)
+    def _storage(self, payload_size: int) -> np.ndarray:
+        """The reused encode buffer, sized for a whole batch of the largest values seen so far,
+        and registered with the backend (a zero-copy backend puts straight from it)."""
+        nbytes = ValueBatch.nbytes_for(PUT_BATCH_BLOCKS, payload_size)
         if self._buffer is None or len(self._buffer) < nbytes:
+            if self._buffer is not None:
+                self.backend.unregister_buffer(self._buffer)
             self._buffer = np.empty(nbytes, dtype=np.uint8)
+            self.backend.register_buffer(self._buffer)
         return self._buffer

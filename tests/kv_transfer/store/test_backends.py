@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
-import types
 
 import pytest
 
@@ -14,11 +12,11 @@ from pagedkv.kv_transfer.store.backends import StoreError, StoreUnavailable, cre
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.connector import longest_stored_prefix
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
-from tests.kv_transfer.store.conftest import free_port
+from tests.kv_transfer.store.conftest import backend_for, free_port
 
 
 def test_batched_calls_round_trip(store_url) -> None:
-    backend = create_backend(StoreConfig(store_url=store_url))
+    backend = backend_for(store_url)
     value = bytearray(os.urandom(300_000))
     backend.put_many([("a", memoryview(value)), ("b", b"small")])
     assert backend.exists_many(["a", "missing", "b"]) == [True, False, True]
@@ -121,66 +119,6 @@ def test_an_unexpected_exception_from_the_redis_client_is_a_store_error(
             call()
     assert not backend.breaker.is_open  # an error, not an unreachable store
     backend.close()
-
-
-class BrokenMooncakeClient:
-    """Stands in for Mooncake's client (not installable here): it sets up, then every call
-    raises or answers nonsense; with ``setup_raises``, setting up raises."""
-
-    setup_raises = False
-
-    def setup(self, *args) -> int:
-        if self.setup_raises:
-            raise RuntimeError("master unreachable")
-        return 0
-
-    def batch_is_exist(self, keys):
-        raise RuntimeError("batch_is_exist failed")
-
-    def put_batch(self, keys, values):
-        raise TypeError("bad buffer")
-
-    def get_batch(self, keys):
-        return None  # not a list
-
-    def remove(self, key):
-        raise KeyError(key)
-
-    def close(self) -> None:
-        pass
-
-
-def test_mooncake_client_exceptions_are_store_errors(monkeypatch) -> None:
-    module = types.ModuleType("mooncake.store")
-    module.MooncakeDistributedStore = BrokenMooncakeClient  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
-    monkeypatch.setitem(sys.modules, "mooncake.store", module)
-    backend = create_backend(StoreConfig(store_url="mooncake://127.0.0.1:50051"))
-    for call in (
-        lambda: backend.exists_many(["k"]),
-        lambda: backend.put_many([("k", b"v")]),
-        lambda: backend.get_many(["k"]),
-        lambda: backend.delete_many(["k"]),
-    ):
-        with pytest.raises(StoreError, match="mooncake: "):
-            call()
-    assert not backend.breaker.is_open
-    monkeypatch.setattr(BrokenMooncakeClient, "setup_raises", True)
-    backend = create_backend(StoreConfig(store_url="mooncake://127.0.0.1:50051"))
-    with pytest.raises(StoreUnavailable, match="master unreachable"):
-        backend.exists_many(["k"])
-    assert backend.breaker.is_open
-
-
-def test_mooncake_without_its_client_says_how_to_install_it() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("mooncake is installed")
-    with pytest.raises(ValueError, match="mooncake-transfer-engine"):
-        create_backend(StoreConfig(store_url="mooncake://127.0.0.1:50051"))
 
 
 @pytest.mark.parametrize(

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.kv_transfer.store.backends import create_backend
 from pagedkv.kv_transfer.store.block_codec import decode_value
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
-from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.loader import BlockFetcher
 from pagedkv.kv_transfer.store.metadata import BlockRef
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 from pagedkv.kv_transfer.store.writer import PUT_BATCH_BLOCKS, BlockWriter, PutJob
+from tests.kv_transfer.store.conftest import backend_for
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_SIZE = 80, 4, 2, 8
 
@@ -29,7 +28,7 @@ def test_blocks_round_trip_through_the_store_bit_exactly(dtype, store_url) -> No
     src, dst = caches(dtype, seed=1), caches(dtype, seed=2)
     element = torch.tensor([], dtype=dtype).element_size()
     layout = GroupLayout(0, (0, 2), (2, BLOCK_SIZE, HEADS, HEAD_SIZE * element))
-    backend = create_backend(StoreConfig(store_url=store_url))
+    backend = backend_for(store_url)
     stats, recent = StoreStats(), RecentKeys()
     writer = BlockWriter(backend, stats, recent, max_queued_bytes=1 << 30)
     try:
@@ -66,7 +65,7 @@ def test_blocks_round_trip_through_the_store_bit_exactly(dtype, store_url) -> No
 def test_missing_keys_come_back_invalid_and_the_rest_loads(store_url) -> None:
     src, dst = caches(torch.float32, seed=3), caches(torch.float32, seed=4)
     layout = GroupLayout(0, (0, 1, 2), (2, BLOCK_SIZE, HEADS, HEAD_SIZE * 4))
-    backend = create_backend(StoreConfig(store_url=store_url))
+    backend = backend_for(store_url)
     stats = StoreStats()
     writer = BlockWriter(backend, stats, RecentKeys(), max_queued_bytes=1 << 30)
     try:

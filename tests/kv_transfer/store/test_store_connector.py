@@ -20,8 +20,18 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
-@pytest.mark.parametrize("load_mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    ("store_url", "arch", "load_mode"),
+    [
+        (store, arch, load_mode)
+        for store in ("redis", "file")
+        for arch in ("llama", "qwen2_hybrid")
+        for load_mode in ("async", "sync")
+    ]
+    # Mooncake: each mode once (a Mooncake engine takes ~3 s to shut down).
+    + [("mooncake", "llama", "sync"), ("mooncake", "qwen2_hybrid", "async")],
+    indirect=["store_url"],
+)
 def test_1p1d_through_the_store_equals_a_single_instance(arch, load_mode, store_url, make_llm):
     prompts = [random_prompt(n, seed=n) for n in (5, 16, 33, 47, 80)]
     expected = make_llm(arch).generate(prompts, GREEDY, use_tqdm=False)
@@ -71,13 +81,13 @@ def test_d_waits_for_blocks_p_is_still_writing(redis_server, make_llm):
         "llama", kv_transfer_config=store_kv_config(redis_server.url, "kv_consumer")
     )
     backend = producer.llm_engine.model_runner.kv_connector.backend
-    real_put_many = backend.put_many
+    real_put_from = backend.put_from
 
-    def slow_put_many(items):
+    def slow_put_from(keys, rows):
         time.sleep(0.3)
-        real_put_many(items)
+        real_put_from(keys, rows)
 
-    backend.put_many = slow_put_many
+    backend.put_from = slow_put_from
     p_engine, d_engine = producer.llm_engine, consumer.llm_engine
     p_engine.add_request(
         None,

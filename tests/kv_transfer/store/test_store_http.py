@@ -1,5 +1,6 @@
-"""The Redis-store deployment over HTTP: two kv_both ``pagedkv serve`` instances sharing a
-redis-server, under load, and with Redis stopped in the middle of a load."""
+"""The store deployments over HTTP: two kv_both ``pagedkv serve`` instances sharing a
+redis-server, under load, and with Redis stopped in the middle of a load; two sharing a
+``mooncake_master`` (each lending a segment of its memory)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from tests.kv_transfer.conftest import Cluster, complete, total
 from tests.kv_transfer.store.conftest import (
+    MooncakeMaster,
     RedisServer,
     free_port,
     require_redis_server,
@@ -80,3 +82,29 @@ def test_redis_stopped_mid_load_costs_recompute_not_requests(store_pair, referen
     for server in (store_pair.a, store_pair.b):
         assert [complete(server.client(), p, stream=False) for p in prompts] == expected
     assert_at_rest(store_pair.urls)
+
+
+def test_two_servers_share_blocks_through_mooncake(
+    tiny_model, tmp_path_factory, reference_text
+) -> None:
+    """A computes two prompts, B answers them with the blocks A stored (identical greedy text,
+    streamed), and B's /metrics counts exactly those blocks as loaded."""
+    log_dir = tmp_path_factory.mktemp("mooncake-http")
+    master = MooncakeMaster(log_dir / "mooncake_master.log")
+    master.start()
+    cluster = Cluster(tiny_model, log_dir)
+    try:
+        config = store_kv_config(master.url, "kv_both")
+        a, b = cluster.serve_config("A", config), cluster.serve_config("B", config)
+        cluster.ready(a, b)
+        prompts = [random_prompt(n, seed=700 + n) for n in (40, 70)]
+        expected = reference_text(prompts, 8)
+        # A answers once its blocks are stored (a finished request holds them until then).
+        assert [complete(a.client(), p, stream=False) for p in prompts] == expected
+        assert [complete(b.client(), p, stream=True) for p in prompts] == expected
+        # The blocks before each prompt's last token: (40 - 1) // 16 + (70 - 1) // 16.
+        assert b.metrics()["pagedkv:kv_transfer_num_blocks_loaded_total"] == 2 + 4
+        assert b.metrics()["pagedkv:kv_transfer_num_load_errors_total"] == 0
+    finally:
+        cluster.close()
+        master.stop()

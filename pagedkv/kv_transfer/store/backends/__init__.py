@@ -11,7 +11,7 @@ from pagedkv.kv_transfer.store.backends.base import (
 )
 from pagedkv.kv_transfer.store.config import StoreConfig
 
-# scheme -> "module:Class"; each class is built as ``Class(config)``.
+# scheme -> "module:Class"; each class is built as ``Class(config, lookups_only)``.
 _BACKENDS = {
     "redis": "pagedkv.kv_transfer.store.backends.redis_backend:RedisBackend",
     "rediss": "pagedkv.kv_transfer.store.backends.redis_backend:RedisBackend",
@@ -22,9 +22,11 @@ _BACKENDS = {
 }
 
 
-def create_backend(config: StoreConfig) -> StoreBackend:
+def create_backend(config: StoreConfig, lookups_only: bool = False) -> StoreBackend:
+    """``lookups_only``: the caller only checks which keys exist (the scheduler half), so a
+    backend whose clients lend memory to the store (Mooncake) lends none for it."""
     module, cls = _BACKENDS[config.scheme].split(":")
-    return getattr(importlib.import_module(module), cls)(config)
+    return getattr(importlib.import_module(module), cls)(config, lookups_only)
 
 
 __all__ = ["StoreBackend", "StoreError", "StoreUnavailable", "create_backend"]

@@ -1,4 +1,10 @@
-"""The store backend interface: four batched calls, each bounded by a timeout.
+"""The store backend interface: batched calls, each bounded by a timeout.
+
+Values travel as bytes-like objects (``put_many`` / ``get_many``) or, on the connector's hot
+path, as rows of a numpy buffer the caller reuses (``put_from`` / ``get_into``): a backend whose
+transport moves memory without copies (Mooncake) registers that buffer once
+(``register_buffer``) and puts from or fetches into it directly; the others fall back on the
+bytes-like calls with views of the rows, so nothing is copied there either.
 
 Every failure surfaces as ``StoreError``; ``StoreUnavailable`` (connection refused, timeout,
 shared directory gone) also opens the backend's circuit breaker, so that for the next
@@ -13,6 +19,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TypeVar
+
+import numpy as np
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
@@ -92,6 +100,40 @@ class StoreBackend(ABC):
     def delete_many(self, keys: Sequence[str]) -> None:
         if keys:
             self.breaker.call(lambda: self._delete_many(keys))
+
+    def register_buffer(self, buffer: np.ndarray) -> None:
+        """``buffer`` (uint8, C-contiguous) will be put from and fetched into again and again,
+        until ``unregister_buffer``. Nothing to do for a backend that moves bytes objects."""
+        return None
+
+    def unregister_buffer(self, buffer: np.ndarray) -> None:
+        """Undo ``register_buffer`` (before the caller frees or replaces ``buffer``)."""
+        return None
+
+    def put_from(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        """Store ``rows[i]`` (one value per row of a 2-D uint8 array, best inside a registered
+        buffer) under ``keys[i]``. The rows are only read, and only during the call."""
+        if keys:
+            assert rows.ndim == 2 and len(rows) == len(keys) and rows.flags.c_contiguous
+            self.breaker.call(lambda: self._put_from(keys, rows))
+
+    def get_into(self, keys: Sequence[str], rows: np.ndarray) -> list[Buffer | None]:
+        """Like ``get_many``, with ``rows`` (2-D uint8, one row per key, each as long as the
+        longest value expected) to fetch into: the values returned may be views of those rows
+        (valid until the caller reuses them) or buffers of the backend's own."""
+        if not keys:
+            return []
+        assert rows.ndim == 2 and len(rows) >= len(keys) and rows.flags.c_contiguous
+        values = self.breaker.call(lambda: self._get_into(keys, rows))
+        if len(values) != len(keys):
+            raise StoreError(f"{len(values)} values returned for {len(keys)} keys")
+        return values
+
+    def _put_from(self, keys: Sequence[str], rows: np.ndarray) -> None:
+        self._put_many([(key, memoryview(row)) for key, row in zip(keys, rows)])
+
+    def _get_into(self, keys: Sequence[str], rows: np.ndarray) -> list[Buffer | None]:
+        return self._get_many(keys)
 
     @abstractmethod
     def _exists_many(self, keys: Sequence[str]) -> list[bool]: ...

@@ -40,7 +40,8 @@ def _as_store_error(e: OSError) -> StoreError:
 
 
 class FileBackend(StoreBackend):
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, lookups_only: bool = False) -> None:
+        """``lookups_only`` changes nothing here (see ``create_backend``)."""
         super().__init__(config.ttl_s)
         self.root = Path(unquote(urlsplit(config.store_url).path))
         self.fsync = config.fsync

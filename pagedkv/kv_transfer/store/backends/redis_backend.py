@@ -64,7 +64,8 @@ def _call(fn: Callable[[], T]) -> T:
 
 
 class RedisBackend(StoreBackend):
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, lookups_only: bool = False) -> None:
+        """``lookups_only`` changes nothing here (see ``create_backend``)."""
         super().__init__(config.ttl_s)
         self.is_cluster = config.scheme.endswith("+cluster")
         self._url = config.store_url.replace("+cluster", "", 1)
