@@ -211,3 +211,52 @@ def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scales: tuple[float, fl
     masked = apply_top_p(logits, top_p)
     assert torch.equal(masked.isfinite(), vllm_top_p_reference(logits, top_p).isfinite())
     assert masked[::5].isfinite().all()
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """Bool ``[rows, vocab]`` -> packed int32 words, bit ``t % 32`` of word ``t // 32``."""
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, -(-vocab // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def test_grammar_bitmask_constrains_only_its_rows() -> None:
+    """Rows 1 and 3 are under a grammar; rows 0 and 2 sample as without it. Masked tokens are
+    never sampled, greedy picks the best allowed token, and logprobs are the masked ones (vLLM
+    applies the mask before its sampler)."""
+    num_rows = 4
+    logits = random_logits(num_rows, seed=3)
+    allowed = torch.rand(2, VOCAB, generator=torch.Generator().manual_seed(1)) < 0.2
+    allowed[:, 31:33] = True  # a word boundary inside the allowed set
+    rows = torch.tensor([1, 3])
+    metadata = SamplingMetadata(
+        temperature=torch.tensor([0.0, 0.0, 1.0, 1.0]),
+        grammar_rows=rows,
+        grammar_bitmask=_pack(allowed),
+        max_num_logprobs=0,
+    )
+    free = sample(logits, SamplingMetadata(temperature=torch.tensor([0.0, 0.0, 1.0, 1.0])))
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = sample(logits, metadata)
+        for j, row in enumerate(rows.tolist()):
+            assert allowed[j, out.sampled_token_ids[row]]
+        assert out.logprobs.logprobs[:, 0].isfinite().all()
+    best_allowed = logits[1].masked_fill(~allowed[0], -INF).argmax()
+    assert out.sampled_token_ids[1] == best_allowed
+    assert out.sampled_token_ids[0] == free.sampled_token_ids[0]
+    raw = torch.log_softmax(logits[1].masked_fill(~allowed[0], -INF), -1)
+    assert out.logprobs.logprobs[1, 0] == pytest.approx(raw[best_allowed].item())
+    assert torch.equal(logits, random_logits(num_rows, seed=3))  # not modified in place
+
+
+def test_grammar_bitmask_narrower_than_the_vocabulary_disallows_the_rest() -> None:
+    logits = torch.zeros(1, 40)
+    logits[0, 39] = 10.0  # the best token lies past the bitmask's 32 tokens
+    bitmask = torch.tensor([[-1]], dtype=torch.int32)  # tokens 0..31 allowed
+    metadata = SamplingMetadata(
+        temperature=full(1, 0.0), grammar_rows=torch.tensor([0]), grammar_bitmask=bitmask
+    )
+    assert sample(logits, metadata).sampled_token_ids.item() < 32

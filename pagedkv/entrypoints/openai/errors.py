@@ -26,11 +26,14 @@ class OpenAIError(Exception):
         message: str,
         param: str | None = None,
         status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        #: OpenAI's error code where it has one (``model_not_found``); else the status.
+        self.code = code
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
@@ -38,7 +41,7 @@ class OpenAIError(Exception):
                 message=self.message,
                 type=_ERROR_TYPES.get(self.status, "InternalServerError"),
                 param=self.param,
-                code=int(self.status),
+                code=self.code or int(self.status),
             )
         )
 
