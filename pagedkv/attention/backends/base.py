@@ -18,6 +18,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    def check_device(self, device: torch.device) -> None:
+        """ValueError if this backend cannot run on ``device`` (asked before the model loads)."""
+
     @abstractmethod
     def reshape_and_cache(
         self,
