@@ -1,6 +1,6 @@
 """Next-token sampling over a batch of logits, with vLLM V1 semantics.
 
-Order of operations: grammar bitmask (structured outputs) → raw logprobs (if asked) →
+Order of operations: grammar mask (structured outputs) → raw logprobs (if asked) →
 penalties → greedy argmax → temperature → min_p → top_k → top_p → one exponential-race draw
 per row. Values are validated upstream (``SamplingParams``), not here.
 """
@@ -43,10 +43,8 @@ class SamplingMetadata:
     output_token_ids: list[Sequence[int]] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # top-k logprobs per row; 0 = sampled token's only
-    #: Structured outputs: the rows under a grammar, and per such row the allowed tokens as
-    #: packed bits (bit ``t % 32`` of int32 word ``t // 32`` set = token ``t`` allowed).
-    grammar_rows: torch.Tensor | None = None  # int64 [M]
-    grammar_bitmask: torch.Tensor | None = None  # int32 [M, ceil(vocab / 32)]
+    #: Structured outputs: the tokens each row may sample (rows without a grammar: all).
+    allowed_token_mask: torch.Tensor | None = None  # bool [N, vocab]
 
     @property
     def greedy_rows(self) -> torch.Tensor:
@@ -76,9 +74,8 @@ class SamplerOutput(NamedTuple):
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified."""
-    if metadata.grammar_bitmask is not None:
-        assert metadata.grammar_rows is not None
-        logits = apply_grammar_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
+    if metadata.allowed_token_mask is not None:
+        logits = logits.where(metadata.allowed_token_mask, float("-inf"))
     num_logprobs = metadata.max_num_logprobs
     raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)
     if metadata.has_penalties:
@@ -115,20 +112,6 @@ def _sample_random(
     for row, generator in metadata.generators.items():
         uniform[row].uniform_(generator=generator)
     return probs.div_(uniform.log_().neg_()).argmax(dim=-1)
-
-
-def apply_grammar_bitmask(
-    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
-) -> torch.Tensor:
-    """``-inf`` for the tokens row ``rows[i]`` may not sample under its grammar; tokens past the
-    bitmask's width (a model vocabulary padded beyond the tokenizer's) are never allowed."""
-    vocab_size = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    masked = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
-    return logits.index_copy(0, rows, masked)
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:

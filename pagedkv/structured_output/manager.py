@@ -28,6 +28,15 @@ class GrammarBitmask(NamedTuple):
     req_ids: list[str]
     bitmask: np.ndarray
 
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """Bool ``[len(req_ids), vocab_size]``: token ``t`` allowed for row ``i``. Tokens past
+        the bitmask's width (a model vocabulary padded beyond the tokenizer's) are not."""
+        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
+        allowed = np.zeros((len(self.req_ids), vocab_size), dtype=bool)
+        width = min(vocab_size, bits.shape[1])
+        allowed[:, :width] = bits[:, :width]
+        return allowed
+
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:

@@ -350,19 +350,14 @@ class ModelRunner:
         states: list[CachedRequestState],
         grammar_bitmask: GrammarBitmask,
     ) -> None:
-        """The engine's bitmask rows, re-indexed to this step's sampled rows."""
+        """The engine's packed bitmask, unpacked on the host into the sampled rows' mask."""
         sampled_row = {state.req_id: i for i, state in enumerate(states)}
-        pairs = [
-            (sampled_row[req_id], i)
-            for i, req_id in enumerate(grammar_bitmask.req_ids)
-            if req_id in sampled_row
-        ]
-        if not pairs:
-            return
-        rows, masks = zip(*pairs)
-        metadata.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        bitmask = torch.from_numpy(grammar_bitmask.bitmask[list(masks)])
-        metadata.grammar_bitmask = bitmask.to(self.device)
+        rows = [sampled_row.get(req_id, -1) for req_id in grammar_bitmask.req_ids]
+        vocab_size = self.model_config.vocab_size
+        mask = np.ones((len(states), vocab_size), dtype=bool)
+        present = [i for i, row in enumerate(rows) if row >= 0]
+        mask[[rows[i] for i in present]] = grammar_bitmask.allowed(vocab_size)[present]
+        metadata.allowed_token_mask = torch.from_numpy(mask).to(self.device)
 
     def _prompt_ids(self, state: CachedRequestState) -> np.ndarray:
         row = self.input_batch.req_id_to_index[state.req_id]

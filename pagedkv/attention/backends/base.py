@@ -18,6 +18,7 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
+    @abstractmethod
     def check_device(self, device: torch.device) -> None:
         """ValueError if this backend cannot run on ``device`` (asked before the model loads)."""
 
