@@ -21,30 +21,35 @@ _EXAMPLES = {
   pagedkv generate "def fibonacci(n):"
   pagedkv generate "import os" "class Stack:" --max-tokens 64 --temperature 0.8 --seed 1
   pagedkv generate "def add(a, b):" --temperature 0 --stop "\\n\\n"
-  pagedkv generate --model path/to/hf_model "Hello"
 
 --seed seeds each prompt's sampling, so a run is reproducible.""",
     "serve": """examples:
   pagedkv serve                                   # the built-in model on 127.0.0.1:8000
-  pagedkv serve --model path/to/hf_model --port 8001 --api-key secret --max-num-seqs 64
+  pagedkv serve --port 8001 --api-key secret --max-num-seqs 64 --generation-config vllm
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'""",
     "proxy": """examples:
   pagedkv proxy --port 10001 --registry-port 30001 --routing least_loaded
-  pagedkv serve M --port 8100 --kv-transfer-config '{"kv_connector":"P2pConnector",
+  pagedkv serve --port 8100 --kv-transfer-config '{"kv_connector":"P2pConnector",
       "kv_role":"kv_producer","kv_port":14579,"kv_connector_extra_config":
-      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'          # a P; a D says kv_consumer
+      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'                            # a P
+  pagedkv serve --port 8200 --kv-transfer-config '{"kv_connector":"P2pConnector",
+      "kv_role":"kv_consumer","kv_port":14580,"kv_connector_extra_config":
+      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'                            # a D
   curl localhost:10001/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
 Registrations are HMAC-checked when $PAGEDKV_KV_SECRET is set (set it on every instance too).""",
     "throughput": """examples:
   pagedkv bench throughput --num-prompts 64 --input-len 128 --output-len 128
-  pagedkv bench throughput --dataset shared-prefix --prefix-len 96 --json out.json
-  pagedkv bench throughput --json-schema '{"type": "object"}' --compare-unconstrained""",
+  pagedkv bench throughput --dataset shared-prefix --prefix-len 96 --input-len 16 \\
+      --output-len 64 --num-prompts 32 --json out.json
+  pagedkv bench throughput --num-prompts 64 --compare-unconstrained \\
+      --json-schema '{"type": "array", "items": {"type": "integer"}, "maxItems": 40}'""",
     "bench-serve": """examples:
   pagedkv bench serve --num-prompts 200 --request-rate 8 --result-json r.json --plot r.png
-  pagedkv bench serve --dataset shared-prefix --prefix-len 96 --max-concurrency 16""",
+  pagedkv bench serve --dataset shared-prefix --prefix-len 96 --input-len 32 \\
+      --output-len 64 --num-prompts 64 --max-concurrency 16""",
 }
 
 

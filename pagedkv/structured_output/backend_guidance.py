@@ -125,8 +125,9 @@ class GuidanceBackend:
                 self._cache.move_to_end(key)
                 self._num_cache_hits += 1
                 return Grammar(prototype.deep_copy())
+            tokenizer = self._tokenizer()  # built once (0.1-3 s), not a compile
             start = time.perf_counter()
-            prototype = self._compile(key)
+            prototype = self._compile(key, tokenizer)
             self._num_compiled += 1
             self._compile_seconds += time.perf_counter() - start
             self._cache[key] = prototype
@@ -154,7 +155,7 @@ class GuidanceBackend:
                 raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
         return self._ll_tokenizer
 
-    def _compile(self, key: GrammarKey):
+    def _compile(self, key: GrammarKey, tokenizer):
         import llguidance
 
         if key.disable_any_whitespace:
@@ -169,7 +170,7 @@ class GuidanceBackend:
             )
         else:
             grammar = llguidance.grammar_from(_GUIDANCE_FORMATS[key.kind], key.text)
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         error = matcher.get_error()
         if error:
             raise ValueError(_describe(key.kind, error))

@@ -85,6 +85,24 @@ def test_batched_prompts_one_choice_each_times_n(server: Server) -> None:
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_a_batch_streamed_to_a_client_that_leaves_is_aborted_whole(server: Server) -> None:
+    aborted = "pagedkv:request_success_total{finished_reason=abort}"
+    before = server.metrics().get(aborted, 0)
+    body = {"prompt": ["w1 w2", "w3"], "n": 2, "max_tokens": 240, "ignore_eos": True}
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/v1/completions",
+        json=body | {"stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as response:
+        next(response.iter_lines())  # the first chunk: the requests run
+    after = server.wait_for_metrics(lambda m: m.get(aborted, 0) >= before + 2)
+    assert after[aborted] == before + 2  # both prompts (n children each) ended as aborted
+    assert after["pagedkv:num_requests_running"] == 0
+    server.assert_alive()
+
+
 # ---------------------------------------------------------------- the utility endpoints
 def test_tokenize_detokenize_version_ping(server: Server) -> None:
     tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "w5 w17"}).json()

@@ -29,6 +29,7 @@ from pagedkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOu
 from pagedkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedkv.entrypoints.openai.errors import OpenAIError, bad_request_from
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from pagedkv.entrypoints.openai.stream_merge import merge_streams
 
 #: SamplingParams fields that keep their name in requests (others are mapped per endpoint).
 _SAMPLING_FIELDS = (
@@ -383,41 +384,3 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
-
-
-async def merge_streams(
-    streams: list[RequestStream],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """``(i, output)`` from all streams as outputs arrive. Leaving early (a client gone) leaves
-    every stream's iteration, which aborts the requests still running."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((i, output))
-        except Exception as e:  # delivered to the reader, which raises it
-            queue.put_nowait((i, e))
-        finally:
-            queue.put_nowait((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        num_open = len(tasks)
-        while num_open:
-            i, item = await queue.get()
-            if item is done:
-                num_open -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
