@@ -279,8 +279,10 @@ def test_bench_throughput_with_a_json_schema_against_unconstrained(tmp_path: Pat
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     result = run_pagedkv(
         "bench", "throughput", "--num-prompts", "6", "--input-len", "16", "--output-len", "32",
-        "--json-schema", json.dumps(schema), "--compare-unconstrained", "--json", str(out),
+        "--json-schema", json.dumps(schema), "--compare-unconstrained", "--num-pairs", "1",
+        "--json", str(out),
         "--disable-tqdm",
+        timeout=300,  # six runs of the workload: slow on a loaded machine
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "ms per schema" in result.stdout and "Constrained / unconstrained" in result.stdout
@@ -289,6 +291,7 @@ def test_bench_throughput_with_a_json_schema_against_unconstrained(tmp_path: Pat
     unconstrained = figures["unconstrained"]
     assert unconstrained["total_output_tokens"] == figures["total_output_tokens"]
     assert figures["constrained_over_unconstrained"] > 0
+    assert len(figures["constrained_over_unconstrained_pairs"]) == 2
 
 
 def test_help_imports_neither_torch_nor_transformers() -> None:

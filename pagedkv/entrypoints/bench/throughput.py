@@ -8,7 +8,9 @@ the first run's figure is reported apart. The prefix cache is reset before each 
 ``--json-schema`` constrains every request to the schema (structured outputs: requests end
 when their JSON is complete); ``--compare-unconstrained`` then also runs the same prompts
 without it, each request generating exactly as many tokens as it did constrained, and prints
-the ratio: the cost of the grammar alone.
+the ratio: the cost of the grammar alone. The two then alternate ``--num-pairs`` more times
+(each pair close in time, so a machine's load drifts out of the ratio) and the median ratio
+of the pairs is reported too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -54,6 +57,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--compare-unconstrained",
         action="store_true",
         help="with --json-schema: also run without it (same prompts and output lengths)",
+    )
+    g.add_argument(
+        "--num-pairs",
+        type=int,
+        default=2,
+        help="with --compare-unconstrained: alternating constrained/unconstrained runs after "
+        "the first, for the median ratio (default: 2)",
     )
     g = parser.add_argument_group("output")
     g.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -173,9 +183,17 @@ def run_throughput(args: argparse.Namespace) -> None:
             llm, prompts, free, args.num_iters_warmup, not args.disable_tqdm
         )
         _report("Throughput (unconstrained)", unconstrained, len(requests), num_input)
-        ratio = result["output_tokens_per_second"] / unconstrained["output_tokens_per_second"]
-        print(f"Constrained / unconstrained output tok/s: {ratio:.3f}")
+        ratios = [result["output_tokens_per_second"] / unconstrained["output_tokens_per_second"]]
+        for _ in range(args.num_pairs):
+            pair = [_timed_runs(llm, prompts, p, 0, False)[1] for p in (params, free)]
+            ratios.append(pair[0]["output_tokens_per_second"] / pair[1]["output_tokens_per_second"])
+        print(
+            f"Constrained / unconstrained output tok/s: {ratios[0]:.3f}; median of "
+            f"{len(ratios)} pairs {statistics.median(ratios):.3f} "
+            f"({', '.join(f'{r:.3f}' for r in ratios)})"
+        )
         result["unconstrained"] = unconstrained
-        result["constrained_over_unconstrained"] = ratio
+        result["constrained_over_unconstrained"] = ratios[0]
+        result["constrained_over_unconstrained_pairs"] = ratios
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
