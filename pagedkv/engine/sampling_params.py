@@ -7,6 +7,9 @@ import sys
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+#: Sequences per request: each is a request of its own in the scheduler, so one request must
+#: not become millions (the default max_num_seqs).
+MAX_N = 256
 #: top_k becomes an int64 tensor; a k above the vocabulary size keeps every token anyway.
 MAX_TOP_K = 2**31
 #: Stored as Python floats: the model runner turns them into float32 tensors.
@@ -127,8 +130,8 @@ class SamplingParams:
         def fail(name: str, requirement: str) -> None:
             raise ValueError(f"{name} {requirement}, got {getattr(self, name)!r}")
 
-        if not _is_int(self.n) or self.n < 1:
-            fail("n", "must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}]")
         for name in _FLOAT_FIELDS:
             if not _is_finite_number(getattr(self, name)):
                 fail(name, "must be a finite number")
