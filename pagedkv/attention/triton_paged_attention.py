@@ -300,7 +300,12 @@ _INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
 
 
 def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type == "cpu" and not _INTERPRETED:
+    check_device(tensor.device)
+
+
+def check_device(device: torch.device) -> None:
+    """ValueError unless the kernels can run on ``device``."""
+    if device.type == "cpu" and not _INTERPRETED:
         raise ValueError(
             "the triton attention kernels need CUDA tensors; CPU tensors work only under "
             "TRITON_INTERPRET=1 (set before pagedkv's triton module is imported)"

@@ -26,9 +26,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.llm_engine import LLMEngine, PromptType
+from pagedkv.engine.llm_engine import LLMEngine, NewRequest, PromptType
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.request import Request
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler_stats import SchedulerStats
 
@@ -134,24 +133,26 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        max_tokens_must_fit: bool = False,
     ) -> RequestStream:
         """Tokenize and validate here (bad input raises ValueError now), then submit.
 
         Must be called from the running event loop that will read the returned stream.
         """
-        prompt_text, request = self.llm_engine.make_request(
+        new = self.llm_engine.make_request(
             request_id,
             prompt,
             params,
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            max_tokens_must_fit=max_tokens_must_fit,
         )
-        stream = RequestStream(request.request_id, asyncio.get_running_loop(), self.abort)
+        stream = RequestStream(new.request_id, asyncio.get_running_loop(), self.abort)
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine is not running: {self._dead}")
-            self._commands.put(lambda: self._enqueue(request, prompt_text, stream))
+            self._commands.put(lambda: self._enqueue(new, stream))
         return stream
 
     async def generate(
@@ -228,16 +229,16 @@ class AsyncLLM:
             command()
             block = False
 
-    def _enqueue(self, request: Request, prompt_text: str | None, stream: RequestStream) -> None:
+    def _enqueue(self, new: NewRequest, stream: RequestStream) -> None:
         if self._dead is not None:
             stream.put(EngineDeadError(f"the engine stopped: {self._dead}"))
             return
         try:
-            self.llm_engine.enqueue_request(request, prompt_text)
+            self.llm_engine.enqueue_request(new)
         except ValueError as e:  # e.g. the request id is in use
             stream.put(e)
             return
-        self._streams[request.request_id] = stream
+        self._streams[new.request_id] = stream
 
     def _done(self) -> bool:
         """Stopping, and nothing left to drain (or the drain's time is up)."""

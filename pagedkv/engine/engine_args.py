@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pagedkv
+from pagedkv.arg_types import positive_int
 
 DEFAULT_MODEL_PATH = Path(pagedkv.__file__).parent / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+_DTYPES = ("float32", "bfloat16", "float16")
 
 _SIZE_UNITS = {
     "": 1,
@@ -37,6 +39,14 @@ def parse_size(text: str | int) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512MB, 1000000)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _size(text: str) -> int:
+    """argparse type for a byte size (one-line error)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_dict(text: str) -> dict:
@@ -69,6 +79,32 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     kv_transfer_config: dict | None = field(default=None)
+    generation_config: str = "auto"
+
+    def __post_init__(self) -> None:
+        """Range checks that need no model (those that do run when the engine loads it)."""
+
+        def fail(name: str, requirement: str) -> None:
+            raise ValueError(f"{name} {requirement}, got {getattr(self, name)!r}")
+
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                fail(name, "must be an integer >= 1")
+        for name in ("max_model_len", "num_gpu_blocks_override", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                fail(name, "must be an integer >= 1 (or None for the default)")
+        if self.dtype not in ("auto", *_DTYPES):
+            fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            fail("device", "must be one of auto, cpu, cuda")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            fail("scheduling_policy", "must be fcfs or priority")
+        if not self.generation_config:
+            fail("generation_config", "must be auto, vllm or a directory")
 
     @property
     def model_path(self) -> Path:
@@ -80,6 +116,9 @@ class EngineArgs:
         help_model = "Hugging Face model directory (default: the built-in model)"
         if model_positional:
             g.add_argument("model", nargs="?", default=None, help=help_model)
+            g.add_argument(
+                "--model", dest="model_option", default=None, help="the same, as a flag (vLLM's)"
+            )
         else:
             g.add_argument("--model", default=None, help=help_model)
         g.add_argument(
@@ -88,27 +127,29 @@ class EngineArgs:
         g.add_argument(
             "--dtype",
             default="auto",
-            choices=["auto", "float32", "bfloat16", "float16"],
+            choices=["auto", *_DTYPES],
             help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)",
         )
         g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         g.add_argument(
             "--max-model-len",
-            type=int,
+            type=positive_int,
             default=None,
             help="context length (default: the model's max_position_embeddings)",
         )
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        g.add_argument(
+            "--block-size", type=positive_int, default=16, help="tokens per KV cache block"
+        )
         g.add_argument(
             "--kv-cache-memory",
-            type=parse_size,
+            type=_size,
             default=None,
             help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
         )
         g.add_argument(
             "--num-gpu-blocks-override",
-            type=int,
+            type=positive_int,
             default=None,
             help="exact number of KV cache blocks (overrides --kv-cache-memory)",
         )
@@ -122,10 +163,12 @@ class EngineArgs:
         g.add_argument(
             "--prefix-caching-hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"]
         )
-        g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+        g.add_argument(
+            "--max-num-seqs", type=positive_int, default=256, help="most requests in one batch"
+        )
         g.add_argument(
             "--max-num-batched-tokens",
-            type=int,
+            type=positive_int,
             default=8192,
             help="token budget of one step (prefill chunks + decodes)",
         )
@@ -146,8 +189,26 @@ class EngineArgs:
             help="KV connector config as JSON, e.g. "
             '\'{"kv_connector":"P2pConnector","kv_role":"kv_producer"}\'',
         )
+        g.add_argument(
+            "--generation-config",
+            default="auto",
+            metavar="{auto,vllm,DIR}",
+            help="sampling defaults for requests that do not set them: auto (the model's "
+            "generation_config.json), vllm (vLLM's own: temperature 1, ...) or a directory",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Raises ValueError (one line) for a value out of range."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        values["model"] = model_arg(args)
+        return cls(**values)
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """``serve`` takes the model as ``MODEL`` or ``--model MODEL`` (not two different ones)."""
+    positional, option = args.model, getattr(args, "model_option", None)
+    if positional is not None and option is not None and positional != option:
+        raise ValueError(f"the model is given twice: {positional!r} and --model {option!r}")
+    return positional if positional is not None else option

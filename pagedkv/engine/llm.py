@@ -1,11 +1,13 @@
-"""LLM: the offline API, ``LLM(model).generate(prompts, SamplingParams(...))``."""
+"""LLM: the offline API, ``LLM(model).generate(prompts, SamplingParams(...))`` and
+``LLM(model).chat(messages, SamplingParams(...))``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm import tqdm
 
+from pagedkv.engine.chat_template import render_chat
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
@@ -31,6 +33,27 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The model's generation config over vLLM's defaults (``generation_config="vllm"``:
+        vLLM's alone); ``generate`` and ``chat`` use it when given no SamplingParams."""
+        return self.llm_engine.default_sampling_params()
+
+    def chat(
+        self,
+        messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages)
+        or to several (a list of such lists), rendered by the tokenizer's chat template."""
+        conversations = messages
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]  # type: ignore[list-item]
+        tokenizer = self.get_tokenizer()
+        prompts = [render_chat(tokenizer, c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -38,10 +61,11 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order (each with
+        ``sampling_params.n`` completions)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -6,12 +6,14 @@ step(): Scheduler.schedule() -> ModelRunner.execute_model() -> Scheduler.update_
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from pagedkv.engine.config import CacheConfig, SchedulerConfig
 from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
@@ -26,12 +28,24 @@ from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
 from pagedkv.kv_transfer.factory import create_connector
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.structured_output.manager import StructuredOutputManager
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
+
+
+class NewRequest(NamedTuple):
+    """A validated request, not yet in the engine: its ``n`` children (one when n == 1, under
+    ``request_id`` itself)."""
+
+    request_id: str
+    prompt_text: str | None
+    children: list[Request]
+
+
 #: Longest an idle step waits for a KV transfer to end (new requests wait at most this long).
 IDLE_WAIT_S = 0.005
 
@@ -55,7 +69,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(args)
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
-        self.max_model_len = args.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = self.model_runner.max_model_len
         self.eos_token_id = self.model_runner.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
@@ -107,6 +121,9 @@ class LLMEngine:
             self.model_runner.set_kv_connector(connector_worker)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_id
+        )
         self._request_counter = itertools.count()
         logger.info(
             "pagedkv engine: %s, %d KV cache blocks of %d tokens, max_model_len %d",
@@ -188,6 +205,11 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._request_counter)}"
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request samples with when it sets nothing: the model's generation config
+        (``--generation-config auto``) over vLLM's defaults."""
+        return SamplingParams(**self.model_runner.generation_defaults.sampling)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -210,11 +232,11 @@ class LLMEngine:
         kv_transfer_params: dict | None = None,
     ) -> str:
         """Validate and enqueue a request; returns its id. Bad input raises ValueError."""
-        prompt_text, request = self.make_request(
+        new = self.make_request(
             request_id, prompt, params, arrival_time, priority, cache_salt, kv_transfer_params
         )
-        self.enqueue_request(request, prompt_text)
-        return request.request_id
+        self.enqueue_request(new)
+        return new.request_id
 
     def make_request(
         self,
@@ -225,12 +247,16 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
-    ) -> tuple[str | None, Request]:
-        """Tokenize and validate, without touching engine state: ``(prompt text, Request)``.
+        max_tokens_must_fit: bool = False,
+    ) -> NewRequest:
+        """Tokenize, validate and compile its grammar, without touching engine state.
 
-        Safe to call from another thread than the one stepping the engine (AsyncLLM does).
+        ``params.n > 1`` makes ``n`` child requests ``{i}_{request_id}`` (vLLM's ids), child
+        ``i`` seeded with ``seed + i``. ``max_tokens_must_fit`` (the server) refuses a
+        ``max_tokens`` that the context cannot hold, instead of capping it. Safe to call from
+        another thread than the one stepping the engine (AsyncLLM does).
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         request_id = request_id or self.new_request_id()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
@@ -241,27 +267,56 @@ class LLMEngine:
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}, "
                 f"got {params.stop_token_ids[:5]}"
             )
-        max_tokens = self.max_model_len - len(token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        request = Request(
-            request_id,
-            token_ids,
-            params,
-            max_tokens=max_tokens,
-            eos_token_id=self.eos_token_id,
-            block_hasher=self.block_hasher,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-        )
-        return text, request
+        if params.n > 1 and kv_transfer_params is not None:
+            raise ValueError("n > 1 cannot be combined with kv_transfer_params")
+        room = self.max_model_len - len(token_ids)
+        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
+                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})"
+            )
+        max_tokens = room if params.max_tokens is None else min(room, params.max_tokens)
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = dataclasses.replace(params, n=1, seed=seed)
+            grammar = None
+            if params.structured_outputs is not None:
+                grammar = self.structured_outputs.grammar_for(params.structured_outputs)
+            children.append(
+                Request(
+                    request_id if params.n == 1 else f"{index}_{request_id}",
+                    token_ids,
+                    child_params,
+                    max_tokens=max_tokens,
+                    eos_token_id=self.eos_token_id,
+                    block_hasher=self.block_hasher,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    kv_transfer_params=kv_transfer_params,
+                    grammar=grammar,
+                )
+            )
+        return NewRequest(request_id, text, children)
 
-    def enqueue_request(self, request: Request, prompt_text: str | None) -> None:
+    def enqueue_request(self, new: NewRequest) -> None:
         """Hand a request from ``make_request`` to the scheduler (ValueError if its id is taken)."""
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request, prompt_text)
+        if new.request_id in self.output_processor.parents:
+            raise ValueError(f"request id {new.request_id!r} is already in use")
+        added = []
+        try:
+            for child in new.children:
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add_request(new.request_id, new.prompt_text, new.children)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -281,10 +336,14 @@ class LLMEngine:
         """Abort requests, freeing their blocks at once; returns their final outputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        request_ids = list(request_ids)
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        outputs = [self.output_processor.abort_request(rid) for rid in request_ids]
-        return [o for o in outputs if o is not None]
+        outputs = []
+        for request_id in request_ids:
+            child_ids = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -294,12 +353,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        scheduler = self.scheduler
+        scheduler_output = scheduler.schedule()
+        grammar_bitmask, scheduled = None, {}
+        if self.structured_outputs.in_use:
+            scheduled = {r: scheduler.requests[r] for r in scheduler_output.num_scheduled_tokens}
+            grammar_bitmask = self.structured_outputs.grammar_bitmask(list(scheduled.values()))
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+        core_outputs = scheduler.update_from_output(scheduler_output, runner_output)
+        completed = self.structured_outputs.accept_tokens(core_outputs, scheduled)
+        for core in core_outputs:  # a complete grammar ends its request, as a stop string does
+            if core.request_id in completed:
+                core.finish_reason = "stop"
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if stopped or completed:
+            scheduler.finish_requests(stopped + completed, RequestStatus.FINISHED_STOPPED)
         if scheduler_output.is_empty and not core_outputs:
             self._wait_for_transfers()
         return outputs

@@ -49,15 +49,32 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's: one token's log-probability, its 1-based rank in the vocabulary, its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per position: ``{token_id: Logprob}`` for the chosen token and the top-k (vLLM's shape).
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
+    """One sequence of a request (``index`` among its ``n``)."""
+
     index: int
     text: str
     token_ids: list[int]
-    #: Per generated token: ``{token_id: logprob}`` (the chosen token and the top-k).
-    logprobs: list[dict[int, float]] | None
+    #: Per generated token, when the request asked for logprobs.
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: Sum of the chosen tokens' logprobs (None unless logprobs were asked for), as in vLLM.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -72,8 +89,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    #: Per prompt token: ``{token_id: logprob}``; None for the first token (no context).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: Per prompt token; None for the first token (it has no context).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.kv_cache.block_hash import BlockHash, BlockHasher
+
+if TYPE_CHECKING:
+    from pagedkv.structured_output.backend_guidance import Grammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +61,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +72,8 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        #: The structured-output matcher (``structured_output.Grammar``), when constrained.
+        self.grammar = grammar
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+#: Sequences per request: each is a request of its own in the scheduler, so one request must
+#: not become millions (the default max_num_seqs).
+MAX_N = 256
 #: top_k becomes an int64 tensor; a k above the vocabulary size keeps every token anyway.
 MAX_TOP_K = 2**31
 #: Stored as Python floats: the model runner turns them into float32 tensors.
@@ -32,6 +36,53 @@ def _is_finite_number(x: object) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of ``json`` (a JSON schema, as a dict or text),
+    ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark / EBNF) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace`` makes JSON compact (no
+    whitespace beyond the separators' single spaces)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_STRUCTURED_KINDS)}, got {given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs json is not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 @dataclass
 class SamplingParams:
     """vLLM's sampling parameters (the subset pagedkv implements).
@@ -39,7 +90,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 disable those filters.
     Penalties follow OpenAI/vLLM: presence and frequency act on output tokens, repetition on
     prompt and output tokens. ``seed`` makes one request's sampling reproducible whatever else
-    is in the batch. ``max_tokens=None`` means up to the model's context length.
+    is in the batch. ``max_tokens=None`` means up to the model's context length. ``n > 1`` is
+    parallel sampling: the engine runs ``n`` child requests that share the prompt's KV blocks
+    through the prefix cache; child ``i`` samples with ``seed + i`` (vLLM's derivation).
     """
 
     n: int = 1
@@ -60,6 +113,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,8 +130,8 @@ class SamplingParams:
         def fail(name: str, requirement: str) -> None:
             raise ValueError(f"{name} {requirement}, got {getattr(self, name)!r}")
 
-        if self.n != 1:
-            fail("n", "must be 1 (pagedkv returns one completion per request)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}]")
         for name in _FLOAT_FIELDS:
             if not _is_finite_number(getattr(self, name)):
                 fail(name, "must be a finite number")
@@ -114,6 +168,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a boolean")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -1,53 +1,79 @@
 """The ``pagedkv`` command: generate | serve | proxy | bench {throughput, serve}.
 
-Heavy imports (torch, the engine, the server) happen inside the command that needs them, so
-``--help`` is instant.
+Heavy imports (torch, transformers, the engine, the server) happen inside the command that
+needs them, so ``--help`` is instant. A bad flag or input ends the command with one line on
+stderr (``pagedkv serve: error: ...``), as argparse's own errors do; Ctrl-C ends it quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH, model_arg
 
 _EXAMPLES = {
     "generate": """examples:
   pagedkv generate "def fibonacci(n):"
   pagedkv generate "import os" "class Stack:" --max-tokens 64 --temperature 0.8 --seed 1
-  pagedkv generate --model path/to/hf_model "Hello" --stop "\\n\\n"
+  pagedkv generate "def add(a, b):" --temperature 0 --stop "\\n\\n"
 
 --seed seeds each prompt's sampling, so a run is reproducible.""",
     "serve": """examples:
   pagedkv serve                                   # the built-in model on 127.0.0.1:8000
-  pagedkv serve path/to/hf_model --port 8001 --api-key secret --max-num-seqs 64
+  pagedkv serve --port 8001 --api-key secret --max-num-seqs 64 --generation-config vllm
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'""",
     "proxy": """examples:
   pagedkv proxy --port 10001 --registry-port 30001 --routing least_loaded
-  pagedkv serve M --port 8100 --kv-transfer-config '{"kv_connector":"P2pConnector",
+  pagedkv serve --port 8100 --kv-transfer-config '{"kv_connector":"P2pConnector",
       "kv_role":"kv_producer","kv_port":14579,"kv_connector_extra_config":
-      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'          # a P; a D says kv_consumer
+      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'                            # a P
+  pagedkv serve --port 8200 --kv-transfer-config '{"kv_connector":"P2pConnector",
+      "kv_role":"kv_consumer","kv_port":14580,"kv_connector_extra_config":
+      {"proxy_ip":"127.0.0.1","proxy_port":30001}}'                            # a D
   curl localhost:10001/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
 Registrations are HMAC-checked when $PAGEDKV_KV_SECRET is set (set it on every instance too).""",
     "throughput": """examples:
   pagedkv bench throughput --num-prompts 64 --input-len 128 --output-len 128
-  pagedkv bench throughput --dataset shared-prefix --prefix-len 512 --json out.json""",
+  pagedkv bench throughput --dataset shared-prefix --prefix-len 96 --input-len 16 \\
+      --output-len 64 --num-prompts 32 --json out.json
+  pagedkv bench throughput --num-prompts 64 --compare-unconstrained \\
+      --json-schema '{"type": "array", "items": {"type": "integer"}, "maxItems": 40}'""",
     "bench-serve": """examples:
   pagedkv bench serve --num-prompts 200 --request-rate 8 --result-json r.json --plot r.png
-  pagedkv bench serve --dataset shared-prefix --prefix-len 256 --max-concurrency 16""",
+  pagedkv bench serve --dataset shared-prefix --prefix-len 96 --input-len 32 \\
+      --output-len 64 --num-prompts 64 --max-concurrency 16""",
 }
 
 
 def _check_model(args: argparse.Namespace) -> None:
-    path = Path(args.model) if args.model else DEFAULT_MODEL_PATH
+    model = model_arg(args)
+    path = Path(model) if model else DEFAULT_MODEL_PATH
     if not (path / "config.json").is_file():
-        hint = " (the built-in model is not installed)" if not args.model else ""
-        sys.exit(f"pagedkv: no model at {path}{hint}: pass a Hugging Face model directory")
+        hint = " (the built-in model is not installed)" if not model else ""
+        raise ValueError(f"no model at {path}{hint}: pass a Hugging Face model directory")
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {tokenizer}: no such directory")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Before loading the model: is the port taken? (uvicorn would say so only after.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            reason = "in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise ValueError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -58,9 +84,10 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    _check_model(args)
+    _check_port_free(args.host, args.port)
     from pagedkv.entrypoints.openai.api_server import run_server
 
-    _check_model(args)
     run_server(args)
 
 
@@ -99,13 +126,13 @@ def _add_command(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_args(parser)
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=func, command=parser.prog.removeprefix("pagedkv "))
 
 
 def make_parser() -> argparse.ArgumentParser:
     # The argument definitions are light (no torch): import them eagerly.
     from pagedkv.entrypoints import generate
-    from pagedkv.entrypoints.bench import serve as bench_serve
+    from pagedkv.entrypoints.bench import serve_args as bench_serve
     from pagedkv.entrypoints.bench import throughput
     from pagedkv.entrypoints.openai import cli_args as serve_args
     from pagedkv.entrypoints.proxy import cli_args as proxy_args
@@ -166,4 +193,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ValueError, ImportError) as e:  # flags the engine refuses, or a missing extra
+        sys.exit(f"pagedkv {args.command}: error: {e}")

@@ -7,27 +7,37 @@ import sys
 import time
 from typing import TextIO
 
+from pagedkv.arg_types import unescaped
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.model.generation_config import GenerationDefaults
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to complete")
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens per prompt (default: 128)")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per prompt (default: the generation config's max_new_tokens, else 128)",
+    )
     g.add_argument(
         "--temperature",
         type=float,
         default=None,
-        help="0 = greedy (default: the model's generation_config.json, else 0); with --seed "
-        "(default 0) sampling is reproducible",
+        help="0 = greedy (default: the model's generation config, see --generation-config, "
+        "else 1); with --seed (default 0) sampling is reproducible",
     )
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: model's)")
     g.add_argument("--top-k", type=int, default=None, help="0 = no top-k (default: model's)")
     g.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+        "--stop",
+        action="append",
+        type=unescaped,
+        default=[],
+        metavar="TEXT",
+        help=r'stop string (repeatable; escapes such as "\n" are read as in JSON)',
     )
     g.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     EngineArgs.add_cli_args(parser)
@@ -76,31 +86,28 @@ class OrderedStreamPrinter:
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    engine_args = EngineArgs.from_cli_args(args)
-    defaults = GenerationDefaults.from_model_dir(engine_args.model_path)
-
-    def pick(value, default):
-        return default if value is None else value
-
-    try:
-        params = SamplingParams(
-            temperature=pick(args.temperature, defaults.temperature),
-            top_p=pick(args.top_p, defaults.top_p),
-            top_k=pick(args.top_k, defaults.top_k),
-            seed=args.seed,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            max_tokens=args.max_tokens,
-        )
-    except ValueError as e:
-        sys.exit(f"pagedkv generate: error: {e}")
+    """Raises ValueError (the command prints it on one line) for bad flags or input."""
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.model.generation_config import GenerationDefaults
 
+    engine_args = EngineArgs.from_cli_args(args)
+    defaults = GenerationDefaults.from_model_dir(
+        engine_args.model_path, engine_args.generation_config
+    ).sampling
+    given = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
+    }
+    params = SamplingParams(
+        **({"max_tokens": 128} | defaults | {k: v for k, v in given.items() if v is not None}),
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     engine = LLMEngine(engine_args)
-    try:
-        request_ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]
-    except ValueError as e:
-        sys.exit(f"pagedkv generate: error: {e}")
+    request_ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]
     printer = OrderedStreamPrinter(args.prompts, request_ids, sys.stdout)
     start = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -3,36 +3,57 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+#: ``generation_config.json`` keys that become SamplingParams defaults, as in vLLM
+#: (``max_new_tokens`` becomes ``max_tokens``).
+_SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass(frozen=True)
 class GenerationDefaults:
     eos_token_id: int | None = None
-    #: Sampling the checkpoint recommends; ``temperature=0`` (greedy) when it sets no
-    #: ``do_sample``, as ``transformers.generate`` does.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    #: SamplingParams fields the checkpoint recommends: what a request that does not set them
+    #: samples with (vLLM's ``--generation-config auto``). Empty under ``vllm``.
+    sampling: dict[str, float | int] = field(default_factory=dict)
 
     @classmethod
-    def from_model_dir(cls, model_path: Path) -> GenerationDefaults:
-        """``generation_config.json`` (what ``transformers.generate`` uses), falling back to
-        ``config.json``'s ``eos_token_id``. The first id stands for a list of EOS ids."""
+    def from_model_dir(cls, model_path: Path, source: str = "auto") -> GenerationDefaults:
+        """EOS from ``generation_config.json`` (what ``transformers.generate`` uses), falling
+        back to ``config.json``; the first id stands for a list of EOS ids. Sampling defaults
+        from the model directory (``auto``), from a directory's ``generation_config.json``
+        (a path), or none (``vllm``: vLLM's own defaults). As in vLLM, the sampling keys
+        apply whether or not the file sets ``do_sample``."""
         config = json.loads((model_path / "config.json").read_text())
-        gen: dict = {}
-        path = model_path / "generation_config.json"
-        if path.is_file():
-            gen = json.loads(path.read_text())
+        gen = _read(model_path / "generation_config.json")
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        if not gen.get("do_sample"):
+        if source == "vllm":
             return cls(eos_token_id=eos)
-        return cls(
-            eos_token_id=eos,
-            temperature=float(gen.get("temperature", 1.0)),
-            top_p=float(gen.get("top_p", 1.0)),
-            top_k=int(gen.get("top_k") or 0),
-        )
+        if source != "auto":
+            path = Path(source)
+            if not (path / "generation_config.json").is_file():
+                raise ValueError(
+                    f"generation_config must be 'auto', 'vllm' or a directory holding a "
+                    f"generation_config.json, got {source!r}"
+                )
+            gen = _read(path / "generation_config.json")
+        sampling = {
+            name: gen[key]
+            for key, name in _SAMPLING_KEYS.items()
+            if isinstance(gen.get(key), int | float) and not isinstance(gen.get(key), bool)
+        }
+        return cls(eos_token_id=eos, sampling=sampling)
+
+
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}

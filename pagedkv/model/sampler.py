@@ -1,8 +1,8 @@
 """Next-token sampling over a batch of logits, with vLLM V1 semantics.
 
-Order of operations: raw logprobs (if asked) → penalties → greedy argmax → temperature →
-min_p → top_k → top_p → one exponential-race draw per row. Values are validated upstream
-(``SamplingParams``), not here.
+Order of operations: grammar mask (structured outputs) → raw logprobs (if asked) →
+penalties → greedy argmax → temperature → min_p → top_k → top_p → one exponential-race draw
+per row. Values are validated upstream (``SamplingParams``), not here.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class SamplingMetadata:
     output_token_ids: list[Sequence[int]] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> generator
     max_num_logprobs: int | None = None  # top-k logprobs per row; 0 = sampled token's only
+    #: Structured outputs: the tokens each row may sample (rows without a grammar: all).
+    allowed_token_mask: torch.Tensor | None = None  # bool [N, vocab]
 
     @property
     def greedy_rows(self) -> torch.Tensor:
@@ -72,6 +74,8 @@ class SamplerOutput(NamedTuple):
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified."""
+    if metadata.allowed_token_mask is not None:
+        logits = logits.where(metadata.allowed_token_mask, float("-inf"))
     num_logprobs = metadata.max_num_logprobs
     raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)
     if metadata.has_penalties:

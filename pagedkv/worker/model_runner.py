@@ -27,6 +27,7 @@ from pagedkv.model.sampler import (
     compute_prompt_logprobs,
     sample,
 )
+from pagedkv.structured_output.manager import GrammarBitmask
 from pagedkv.utils import cdiv
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.model_runner_output import (
@@ -56,6 +57,19 @@ def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device
     return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
 
 
+def resolve_max_model_len(asked: int | None, max_position_embeddings: int) -> int:
+    """The context length: the model's unless asked for less (more is refused, as in vLLM:
+    positions past what the model was built for give garbage)."""
+    if asked is None:
+        return max_position_embeddings
+    if asked > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {asked} is larger than the model's max_position_embeddings "
+            f"({max_position_embeddings})"
+        )
+    return asked
+
+
 def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
     ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks
     return [Logprobs(i, v, r) for i, v, r in zip(ids, values, ranks.tolist())]
@@ -70,15 +84,20 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         model_path = args.model_path
         checkpoint = ModelConfig.from_pretrained(model_path)
-        self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
-        self.model = load_model(model_path, self.dtype, self.device)
-        self.model_config: ModelConfig = self.model.config
-        self.generation_defaults = GenerationDefaults.from_model_dir(model_path)
+        self.max_model_len = resolve_max_model_len(
+            args.max_model_len, checkpoint.max_position_embeddings
+        )
+        self.generation_defaults = GenerationDefaults.from_model_dir(
+            model_path, args.generation_config
+        )
         self.eos_token_id = self.generation_defaults.eos_token_id
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
+        self.attn_backend.check_device(self.device)
+        self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.config
         self.max_num_reqs = args.max_num_seqs
-        self.max_model_len = args.max_model_len or self.model_config.max_position_embeddings
         if args.seed is not None:  # unseeded sampling draws from torch's default generator
             torch.manual_seed(args.seed)
         self.gpu_memory_utilization = args.gpu_memory_utilization
@@ -193,14 +212,17 @@ class ModelRunner:
         connector.register_kv_caches(self.kv_caches, self.layer_to_group)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """One step. ``grammar_bitmask`` constrains the sampling of the rows it names."""
         self._update_states(scheduler_output)
         connector = self.kv_connector
         if connector is None:
-            return self._run(scheduler_output)
+            return self._run(scheduler_output, grammar_bitmask)
         connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
         connector.start_load_kv()
-        output = self._run(scheduler_output)
+        output = self._run(scheduler_output, grammar_bitmask)
         connector.wait_for_save()
         if output is EMPTY_MODEL_RUNNER_OUTPUT:
             output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -208,7 +230,9 @@ class ModelRunner:
         connector.clear_connector_metadata()
         return output
 
-    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _run(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None
+    ) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
@@ -264,7 +288,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states[last_token])
             states = [batch.states[r] for r in rows[sample_idx]]
             self._mask_stop_tokens_before_min_tokens(logits, states)
-            out = sample(logits, self._sampling_metadata(states))
+            metadata = self._sampling_metadata(states)
+            if grammar_bitmask is not None:
+                self._add_grammar_bitmask(metadata, states, grammar_bitmask)
+            out = sample(logits, metadata)
             tokens = out.sampled_token_ids.tolist()
             entries = _to_logprobs(out.logprobs) if out.logprobs is not None else None
             if entries is not None:
@@ -319,6 +346,21 @@ class ModelRunner:
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
         )
+
+    def _add_grammar_bitmask(
+        self,
+        metadata: SamplingMetadata,
+        states: list[CachedRequestState],
+        grammar_bitmask: GrammarBitmask,
+    ) -> None:
+        """The engine's packed bitmask, unpacked on the host into the sampled rows' mask."""
+        sampled_row = {state.req_id: i for i, state in enumerate(states)}
+        rows = [sampled_row.get(req_id, -1) for req_id in grammar_bitmask.req_ids]
+        vocab_size = self.model_config.vocab_size
+        mask = np.ones((len(states), vocab_size), dtype=bool)
+        present = [i for i, row in enumerate(rows) if row >= 0]
+        mask[[rows[i] for i in present]] = grammar_bitmask.allowed(vocab_size)[present]
+        metadata.allowed_token_mask = torch.from_numpy(mask).to(self.device)
 
     def _prompt_ids(self, state: CachedRequestState) -> np.ndarray:
         row = self.input_batch.req_id_to_index[state.req_id]

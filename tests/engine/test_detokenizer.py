@@ -32,3 +32,19 @@ def test_held_back_bytes_come_out_at_the_end_as_replacement_characters() -> None
     detokenizer = IncrementalDetokenizer(tokenizer, [40, 41], skip_special_tokens=True)
     assert [detokenizer.step(lone_byte) for _ in range(3)] == ["", "", ""]
     assert detokenizer.flush() == "\ufffd" * 3 and detokenizer.flush() == ""
+
+
+def test_a_non_ascii_prompt_gets_replacement_characters_only_for_bytes_that_are_not_utf8() -> None:
+    """The issue's prompt comes back as a run of U+FFFD: the built-in model (trained on nearly
+    all-ASCII text) answers it greedily with the lone continuation byte 0x80, again and again.
+    Each such byte is one U+FFFD, as ``tokenizer.decode`` renders it; no other U+FFFD appears,
+    and the prompt itself round-trips."""
+    llm = LLM(str(DEFAULT_MODEL_PATH))
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    prompt = "日本語 😀 ünïcödé"
+    assert tokenizer.decode(tokenizer.encode(prompt)) == prompt
+    params = SamplingParams(temperature=0, max_tokens=12)
+    (completion,) = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    assert completion.text == tokenizer.decode(completion.token_ids)
+    lone_bytes = [t for t in completion.token_ids if tokenizer.decode([t]) == "\ufffd"]
+    assert completion.text.count("\ufffd") == len(lone_bytes) > 0

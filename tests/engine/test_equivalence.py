@@ -122,8 +122,11 @@ def test_prompt_logprobs_match_transformers(make_llm, hf_model) -> None:
         entry = out.prompt_logprobs[pos]
         assert len(entry) >= 3
         for token, value in entry.items():
-            assert value == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
+            assert value.logprob == pytest.approx(expected[pos - 1, token].item(), abs=1e-4)
         assert prompt[pos] in entry
+        # vLLM's Logprob: the prompt token's rank in the vocabulary, the top-k ranked 1..k.
+        true_rank = int((expected[pos - 1] > expected[pos - 1, prompt[pos]]).sum()) + 1
+        assert entry[prompt[pos]].rank == true_rank
 
 
 def test_sample_logprobs_match_transformers(make_llm, hf_model) -> None:
@@ -140,8 +143,11 @@ def test_sample_logprobs_match_transformers(make_llm, hf_model) -> None:
     for k, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
         row = len(prompt) - 1 + k
         assert token in entry and len(entry) == 2  # greedy: the sampled token is the top-1
+        assert entry[token].rank == 1 and entry[token].decoded_token == f"w{token}"
         for t, value in entry.items():
-            assert value == pytest.approx(expected[row, t].item(), abs=1e-4)
+            assert value.logprob == pytest.approx(expected[row, t].item(), abs=1e-4)
+    cumulative = sum(entry[t].logprob for t, entry in zip(tokens, out.outputs[0].logprobs))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(cumulative)
 
 
 def test_default_model_matches_transformers(make_llm_at) -> None:

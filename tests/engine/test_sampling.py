@@ -105,7 +105,7 @@ def test_max_tokens_and_length_finish(make_llm) -> None:
         (dict(repetition_penalty=0), "repetition_penalty"),
         (dict(logprobs=-1), "logprobs"),
         (dict(seed="x"), "seed"),
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
         (dict(stop=[""]), "stop"),
         # Values the model runner's tensors cannot hold (top_k is int64, floats float32).
         (dict(top_k=2**63), "top_k"),

@@ -123,21 +123,32 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serve(tmp_path_factory, str(tiny_model), "--max-num-seqs", "64")
+
+
+@pytest.fixture(scope="session")
+def builtin_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The built-in model (a byte-level BPE that can spell any JSON), named by ``--model``."""
+    from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+
+    yield from serve(tmp_path_factory, "--model", str(DEFAULT_MODEL_PATH), "--max-num-seqs", "32")
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Server]:
+    """A ``pagedkv serve`` subprocess on a free port, until the session ends."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = log_path.open("w")
     process = subprocess.Popen(
         pagedkv_command(
             "serve",
-            str(tiny_model),
+            *args,
             "--port",
             str(port),
             "--api-key",
             API_KEY,
             "--served-model-name",
             MODEL_NAME,
-            "--max-num-seqs",
-            "64",
         ),
         cwd=REPO_ROOT,
         env=subprocess_env(),

@@ -51,7 +51,7 @@ def test_two_servers_in_one_process_keep_their_own_metrics(tiny_model: Path) -> 
             assert 'pagedkv:generation_tokens_total{model_name="a"} 3.0' in a_metrics
             assert 'model_name="a"' not in b_metrics
             assert 'pagedkv:generation_tokens_total{model_name="b"} 0.0' in b_metrics
-            assert b.post("/v1/completions", json={"model": "a", "prompt": "w1"}).status_code == 400
+            assert b.post("/v1/completions", json={"model": "a", "prompt": "w1"}).status_code == 404
     finally:
         engine_a.shutdown()
         engine_b.shutdown()

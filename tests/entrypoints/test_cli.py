@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pagedkv.entrypoints.cli import main, make_parser
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, Server, free_port, run_pagedkv
+from tests.entrypoints.conftest import (
+    API_KEY,
+    MODEL_NAME,
+    REPO_ROOT,
+    Server,
+    free_port,
+    pagedkv_command,
+    run_pagedkv,
+    subprocess_env,
+)
 
 COMMANDS = [
     [],
@@ -78,7 +91,9 @@ def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
 def test_generate_streams_completions_in_prompt_order(tiny_model: Path, server: Server) -> None:
     prompts = ["w5 w17 w42 w99", "w9 w10", "w200"]
     # Different lengths: later prompts finish first and must wait for their turn.
-    result = run_pagedkv("generate", "--model", str(tiny_model), *prompts, "--max-tokens", "6")
+    result = run_pagedkv(
+        "generate", "--model", str(tiny_model), *prompts, "--max-tokens", "6", "--temperature", "0"
+    )
     assert result.returncode == 0, result.stderr
     client = server.client()
     expected = [
@@ -180,7 +195,7 @@ def test_bench_serve_counts_failures(server: Server) -> None:
         "--output-len", "2", "--disable-tqdm",
     )  # fmt: skip
     assert result.returncode == 1
-    assert "Failed requests:" in result.stdout and "HTTP 400" in result.stdout
+    assert "Failed requests:" in result.stdout and "HTTP 404" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -254,3 +269,112 @@ def test_bench_throughput(tiny_model: Path, tmp_path: Path) -> None:
     assert figures["num_requests"] == 8 and figures["total_output_tokens"] == 64
     assert figures["total_input_tokens"] == 8 * 24
     assert figures["output_tokens_per_second"] > 0
+    assert figures["first_run_output_tokens_per_second"] > 0  # the warm-up run, apart
+
+
+def test_bench_throughput_with_a_json_schema_against_unconstrained(tmp_path: Path) -> None:
+    """Structured outputs in the batch: the compile time per schema, the same prompts without
+    the schema at the same output lengths, and the ratio."""
+    out = tmp_path / "schema.json"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    result = run_pagedkv(
+        "bench", "throughput", "--num-prompts", "6", "--input-len", "16", "--output-len", "32",
+        "--json-schema", json.dumps(schema), "--compare-unconstrained", "--num-pairs", "1",
+        "--json", str(out),
+        "--disable-tqdm",
+        timeout=300,  # six runs of the workload: slow on a loaded machine
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "ms per schema" in result.stdout and "Constrained / unconstrained" in result.stdout
+    figures = json.loads(out.read_text())
+    assert figures["grammar_compile_ms_per_schema"] > 0
+    unconstrained = figures["unconstrained"]
+    assert unconstrained["total_output_tokens"] == figures["total_output_tokens"]
+    assert figures["constrained_over_unconstrained"] > 0
+    assert len(figures["constrained_over_unconstrained_pairs"]) == 2
+
+
+def test_help_imports_neither_torch_nor_transformers() -> None:
+    """``pagedkv --help`` took 3.5 s importing transformers to build the parser."""
+    code = (
+        "import sys; from pagedkv.entrypoints.cli import make_parser; make_parser(); "
+        "print(sorted({'torch', 'transformers', 'numpy', 'httpx'} & set(sys.modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env()
+    )
+    assert result.stdout.strip() == "[]", result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1"),
+        (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1"),
+        (["--max-model-len", "300"], "max_model_len 300 is larger than the model's"),
+        (["--kv-cache-memory", "1KiB"], "the KV cache budget gives 0 blocks"),
+        (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a size"),
+        (["--device", "cuda"], "device 'cuda' was asked for"),
+        (["--attention-backend", "triton"], "the triton attention kernels need CUDA tensors"),
+        (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
+        (["--generation-config", "/nonexistent"], "generation_config must be 'auto', 'vllm'"),
+    ],
+)
+def test_engine_flag_errors_are_one_line(tiny_model: Path, flags: list[str], error: str) -> None:
+    result = run_pagedkv("generate", "--model", str(tiny_model), "w1", *flags)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert line.startswith("pagedkv generate: error: ") and error in line, result.stderr
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_serve_port_must_be_a_port(port: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["serve", "--port", port])
+    assert exit_info.value.code == 2
+    assert "argument --port: must be a port number in [0, 65535]" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(tiny_model: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_pagedkv("serve", str(tiny_model), "--port", str(port), timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"pagedkv serve: error: cannot listen on 127.0.0.1:{port}: in use" in result.stderr
+    assert "pagedkv engine" not in result.stderr  # the model was never loaded
+
+
+def test_serve_takes_the_model_as_a_flag_too() -> None:
+    from pagedkv.engine.engine_args import EngineArgs
+
+    args = make_parser().parse_args(["serve", "--model", "some/dir"])
+    assert EngineArgs.from_cli_args(args).model == "some/dir"
+    both = make_parser().parse_args(["serve", "a", "--model", "b"])
+    with pytest.raises(ValueError, match="the model is given twice"):
+        EngineArgs.from_cli_args(both)
+
+
+def test_stop_reads_escapes_as_json_does() -> None:
+    args = make_parser().parse_args(["generate", "x", "--stop", "\\n\\n", "--stop", "a\\tb"])
+    assert args.stop == ["\n\n", "a\tb"]
+
+
+def test_ctrl_c_ends_generate_without_a_traceback(tiny_model: Path) -> None:
+    process = subprocess.Popen(
+        pagedkv_command(
+            "generate", "--model", str(tiny_model), "w1", "--max-tokens", "250", "--ignore-eos"
+        ),
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    process.stdout.read(2)  # the prompt is printed: the command is past its imports
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr

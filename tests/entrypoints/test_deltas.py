@@ -25,6 +25,6 @@ def test_a_step_whose_text_is_held_back_still_sends_its_tokens() -> None:
 
     async def collect():
         steps = [("", [7], None), ("", [7, 8], None), ("", [7, 8], None), ("é!", [7, 8, 9], "stop")]
-        return [(d.text, d.token_ids) async for d in OpenAIServing.deltas(cumulative(steps))]
+        return [(d.text, d.token_ids) async for d in OpenAIServing.deltas([cumulative(steps)])]
 
     assert asyncio.run(collect()) == [("", [7]), ("", [8]), ("é!", [9])]

@@ -15,14 +15,11 @@ from transformers import (
 )
 
 from pagedkv.attention import AttentionMetadata, ForwardContext, get_attention_backend
-from pagedkv.model import (
-    KVCacheLayerSpec,
-    LlamaForCausalLM,
-    ModelConfig,
-    Qwen2ForCausalLM,
-    get_model_class,
-    load_model,
-)
+from pagedkv.model.config import KVCacheLayerSpec, ModelConfig
+from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.loader import load_model
+from pagedkv.model.qwen2 import Qwen2ForCausalLM
+from pagedkv.model.registry import get_model_class
 from tests.tiny_models import CONFIGS, TINY, WINDOW, build_checkpoint, random_prompt
 
 NULL_BLOCK = 0

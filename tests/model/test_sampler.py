@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -211,3 +212,49 @@ def test_top_p_on_a_large_vocabulary_matches_a_full_sort(scales: tuple[float, fl
     masked = apply_top_p(logits, top_p)
     assert torch.equal(masked.isfinite(), vllm_top_p_reference(logits, top_p).isfinite())
     assert masked[::5].isfinite().all()
+
+
+def _pack(allowed: np.ndarray) -> np.ndarray:
+    """Bool ``[rows, vocab]`` -> packed int32 words, bit ``t % 32`` of word ``t // 32``."""
+    rows, vocab = allowed.shape
+    padded = np.zeros((rows, -(-vocab // 32) * 32), dtype=bool)
+    padded[:, :vocab] = allowed
+    return np.packbits(padded, axis=1, bitorder="little").view(np.int32)
+
+
+def test_grammar_bitmask_unpacks_to_the_allowed_tokens() -> None:
+    """The engine's packed bitmask (llguidance's layout) and the mask the sampler applies agree,
+    word boundaries and a vocabulary wider than the bitmask included."""
+    from pagedkv.structured_output.manager import GrammarBitmask
+
+    allowed = np.random.default_rng(0).random((3, 70)) < 0.3
+    allowed[:, 31:33] = True
+    bitmask = GrammarBitmask(["a", "b", "c"], _pack(allowed))
+    assert np.array_equal(bitmask.allowed(70), allowed)
+    wider = bitmask.allowed(100)  # the model pads its vocabulary past the tokenizer's 96
+    assert np.array_equal(wider[:, :70], allowed) and not wider[:, 70:].any()
+
+
+def test_allowed_token_mask_constrains_only_its_rows() -> None:
+    """Rows 1 and 3 are under a grammar; rows 0 and 2 sample as without it. Masked tokens are
+    never sampled, greedy picks the best allowed token, and logprobs are the masked ones (vLLM
+    applies the mask before its sampler)."""
+    num_rows = 4
+    logits = random_logits(num_rows, seed=3)
+    mask = torch.ones(num_rows, VOCAB, dtype=torch.bool)
+    mask[[1, 3]] = torch.rand(2, VOCAB, generator=torch.Generator().manual_seed(1)) < 0.2
+    mask[[1, 3], 31:33] = True
+    temperature = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    metadata = SamplingMetadata(temperature, allowed_token_mask=mask, max_num_logprobs=0)
+    free = sample(logits, SamplingMetadata(temperature=temperature))
+    for seed in range(20):
+        torch.manual_seed(seed)
+        out = sample(logits, metadata)
+        assert mask[torch.arange(num_rows), out.sampled_token_ids].all()
+        assert out.logprobs.logprobs[:, 0].isfinite().all()
+    best_allowed = logits[1].masked_fill(~mask[1], -INF).argmax()
+    assert out.sampled_token_ids[1] == best_allowed
+    assert out.sampled_token_ids[0] == free.sampled_token_ids[0]
+    raw = torch.log_softmax(logits[1].masked_fill(~mask[1], -INF), -1)
+    assert out.logprobs.logprobs[1, 0] == pytest.approx(raw[best_allowed].item())
+    assert torch.equal(logits, random_logits(num_rows, seed=3))  # not modified in place

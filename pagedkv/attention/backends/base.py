@@ -19,6 +19,10 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
+    def check_device(self, device: torch.device) -> None:
+        """ValueError if this backend cannot run on ``device`` (asked before the model loads)."""
+
+    @abstractmethod
     def reshape_and_cache(
         self,
         key: torch.Tensor,

@@ -16,6 +16,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._buffer = GatherBuffer()
 
+    def check_device(self, device: torch.device) -> None:
+        """Any device torch runs on."""
+
     def forward(
         self,
         query: torch.Tensor,

@@ -7,6 +7,7 @@ import torch
 from pagedkv.attention.backends.base import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.triton_paged_attention import (
+    check_device,
     triton_paged_attention,
     triton_reshape_and_cache,
 )
@@ -15,6 +16,9 @@ from pagedkv.attention.triton_paged_attention import (
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     reshape_and_cache = staticmethod(triton_reshape_and_cache)
+
+    def check_device(self, device: torch.device) -> None:
+        check_device(device)
 
     def forward(
         self,

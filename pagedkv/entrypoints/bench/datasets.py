@@ -7,11 +7,10 @@ shared-prefix: [ prefix_len tokens, the same for all | input_len random tokens ]
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Collection
 from typing import NamedTuple
 
-import numpy as np
+from pagedkv.arg_types import positive_int
 
 DATASETS = ("random", "shared-prefix")
 
@@ -21,28 +20,6 @@ class BenchRequest(NamedTuple):
     output_len: int
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a count of 0 would make a run that does nothing or hangs)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (inf allowed, NaN not)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
 def add_dataset_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = parser.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random", help="(default: random)")
@@ -50,8 +27,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument(
         "--input-len",
         type=positive_int,
-        default=128,
-        help="random tokens per prompt (default: 128)",
+        default=64,
+        help="random tokens per prompt (default: 64)",
     )
     g.add_argument(
         "--output-len",
@@ -62,8 +39,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument(
         "--prefix-len",
         type=int,
-        default=256,
-        help="shared-prefix only: tokens every prompt starts with (default: 256)",
+        default=64,
+        help="shared-prefix only: tokens every prompt starts with (default: 64)",
     )
     return g
 
@@ -89,6 +66,8 @@ def sample_requests(
         raise ValueError(f"output_len must be >= 1, got {output_len}")
     if dataset == "shared-prefix" and prefix_len < 1:
         raise ValueError(f"prefix_len must be >= 1 for the shared-prefix dataset, got {prefix_len}")
+    import numpy as np
+
     excluded = set(exclude_token_ids)
     vocab = np.array([t for t in range(vocab_size) if t not in excluded])
     rng = np.random.default_rng(seed)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory and the ``pagedkv serve`` runner.
 
     /v1/completions, /v1/chat/completions, /v1/models   (``--api-key``: Bearer token required)
-    /health, /metrics                                    (open)
+    /health, /ping, /metrics, /version                   (open, as in vLLM)
+    /tokenize, /detokenize                               (open, as in vLLM; vLLM's shapes)
 
 Every error, including FastAPI's own (422 validation, 404 route), answers in OpenAI's format;
 validation errors become 400 naming the field.
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pagedkv
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.entrypoints.draining_server import DrainingServer
@@ -31,11 +33,17 @@ from pagedkv.entrypoints.openai.metrics import KVTransferCollector, PrometheusSt
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedkv.entrypoints.proxy.registry import Register, RegistrationClient
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
@@ -65,6 +73,7 @@ def build_app(
     """The app for one engine. ``registry`` holds its metrics (PrometheusStatLogger)."""
     completions = OpenAIServingCompletion(async_llm, served_model_name)
     chat = OpenAIServingChat(async_llm, served_model_name)
+    tokenization = OpenAIServingTokenization(async_llm, served_model_name)
 
     async def check_api_key(request: Request) -> None:
         expected = f"Bearer {api_key}".encode()
@@ -104,6 +113,20 @@ def build_app(
         if not async_llm.is_running:
             raise OpenAIError("the engine is not running", status=HTTPStatus.SERVICE_UNAVAILABLE)
         return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedkv.__version__)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(request)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedkv.arg_types import port
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.entrypoints.bench.datasets import positive_float
 
@@ -14,7 +15,7 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     g.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDKV_API_KEY"),

@@ -31,12 +31,15 @@ class OpenAIError(Exception):
         param: str | None = None,
         status: HTTPStatus = HTTPStatus.BAD_REQUEST,
         error_type: str | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.error_type = error_type or _ERROR_TYPES.get(status, "InternalServerError")
+        #: OpenAI's error code where it has one (``model_not_found``); else the status.
+        self.code = code
 
     def to_response(self) -> ErrorResponse:
         return ErrorResponse(
@@ -44,7 +47,7 @@ class OpenAIError(Exception):
                 message=self.message,
                 type=self.error_type,
                 param=self.param,
-                code=int(self.status),
+                code=self.code or int(self.status),
             )
         )
 

@@ -10,7 +10,7 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 # ---------------------------------------------------------------------------- requests
 
@@ -26,8 +26,64 @@ def _json_compliant(value: Any) -> bool:
     return True
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """A UTF-16 surrogate with no pair (JSON ``"\\ud800"``): no tokenizer or UTF-8 encoder can
+    take it."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, BaseModel):
+        return any(_has_lone_surrogate(v) for v in value.__dict__.values())
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    #: OpenAI's field name; ``json_schema`` is accepted too (vLLM does).
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = {"populate_by_name": True}
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise ValueError("type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` request field (the fields of StructuredOutputsParams)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = {"populate_by_name": True}
 
 
 class SamplingRequest(BaseModel):
@@ -53,10 +109,30 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, value):
+        if _has_lone_surrogate(value):
+            raise ValueError("must not contain lone UTF-16 surrogates (such as \\ud800)")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options, info):
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("can only be given when stream is true")
+        return options
 
     @field_validator("kv_transfer_params")
     @classmethod
@@ -73,7 +149,8 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    #: Text, or token ids; a list of one of either is accepted too (OpenAI's batch form).
+    #: Text, or token ids; or a batch: a list of texts or of token-id lists (one choice each,
+    #: times ``n``).
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
@@ -83,14 +160,21 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_non_empty_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
+    def _non_empty_prompts(cls, prompt):
+        if len(prompt) == 0 or (
+            isinstance(prompt, list)
+            and any(len(p) == 0 for p in prompt if isinstance(p, str | list))
+        ):
+            raise ValueError("must not be empty, nor hold an empty prompt")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per choice group."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
 
 class TextContentPart(BaseModel):
@@ -227,6 +311,45 @@ class ChatCompletionStreamResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if _has_lone_surrogate(self.prompt) or _has_lone_surrogate(self.messages):
+            raise ValueError("must not contain lone UTF-16 surrogates (such as \\ud800)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -245,7 +368,8 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    #: The HTTP status, or OpenAI's code string where it has one (``model_not_found``).
+    code: int | str
 
 
 class ErrorResponse(BaseModel):

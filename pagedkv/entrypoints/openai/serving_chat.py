@@ -8,7 +8,8 @@ from fastapi import Request as HTTPRequest
 from fastapi import Response
 
 from pagedkv.engine.async_llm import RequestStream
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.chat_template import render_chat
+from pagedkv.engine.outputs import PositionLogprobs, RequestOutput
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -44,56 +45,54 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs, param_names)
         request_id = self.request_id(raw_request, "chatcmpl")
-        stream = self.submit(request_id, self._render(request), params, request, param_names)
-        return await self.respond(request_id, stream, request, raw_request, param_names)
+        streams = self.submit(request_id, [self._render(request)], params, request, param_names)
+        return await self.respond(request_id, streams, request, raw_request, param_names)
 
     def full_response(
-        self, request_id: str, final: RequestOutput, request: ChatCompletionRequest
+        self, request_id: str, finals: list[RequestOutput], request: ChatCompletionRequest
     ) -> ChatCompletionResponse:
-        completion = final.outputs[0]
-        choice = ChatCompletionChoice(
-            message=ChatResponseMessage(content=completion.text),
-            logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
+        (final,) = finals
+        choices = [
+            ChatCompletionChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=self._logprobs(completion.token_ids, completion.logprobs, request),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in final.outputs
+        ]
         return ChatCompletionResponse(
             id=request_id,
             model=self.served_model_name,
-            choices=[choice],
-            usage=self.usage(final),
+            choices=choices,
+            usage=self.usage(finals),
             kv_transfer_params=self.kv_transfer_params(final, request),
         )
 
     def _render(self, request: ChatCompletionRequest) -> dict:
-        """The prompt as text (for the output) and token ids. The template already holds any
-        special tokens (BOS), so the text is tokenized without adding them again."""
-        if self.tokenizer is None:
-            raise OpenAIError("this model has no tokenizer, so no chat template", "messages")
         messages = [message.as_template_dict() for message in request.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
-        except Exception as e:  # no template, or one that rejects these messages (jinja)
-            raise OpenAIError(f"cannot apply the chat template: {e}", "messages") from None
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+            return render_chat(self.tokenizer, messages)
+        except ValueError as e:
+            raise OpenAIError(str(e), "messages") from None
 
     async def stream_chunks(
-        self, request_id: str, stream: RequestStream, request: ChatCompletionRequest
+        self, request_id: str, streams: list[RequestStream], request: ChatCompletionRequest
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        deltas = self.deltas(stream)
-        # The role chunk goes out with the first token, not before: a request that fails
+        deltas = self.deltas(streams, request.n)
+        # The role chunks go out with the first token, not before: a request that fails
         # first (its KV could not be loaded) streams nothing but the error, which a proxy can
         # still retry elsewhere.
         first = await anext(deltas, None)
-        role = ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant", content=""))
-        yield self._chunk(request_id, [role])
+        for index in range(request.n):
+            delta = DeltaMessage(role="assistant", content="")
+            yield self._chunk(request_id, [ChatCompletionStreamChoice(index=index, delta=delta)])
         final = None
         async for delta in _prepend(first, deltas):
             final = delta.output
             choice = ChatCompletionStreamChoice(
+                index=delta.index,
                 delta=DeltaMessage(content=delta.text),
                 logprobs=self._logprobs(delta.token_ids, delta.logprobs, request),
                 finish_reason=delta.finish_reason,
@@ -101,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             )
             yield self._chunk(request_id, [choice])
         if request.include_usage and final is not None:
-            yield self._chunk(request_id, [], usage=self.usage(final))
+            yield self._chunk(request_id, [], usage=self.usage([final]))
 
     def _chunk(
         self, request_id: str, choices: list[ChatCompletionStreamChoice], **kw
@@ -113,7 +112,7 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(
         self,
         token_ids: list[int],
-        logprobs: list[dict[int, float]] | None,
+        logprobs: list[PositionLogprobs] | None,
         request: ChatCompletionRequest,
     ) -> ChatChoiceLogprobs | None:
         """OpenAI's chat format: per token its logprob and exactly ``top_logprobs`` best."""
@@ -122,11 +121,11 @@ class OpenAIServingChat(OpenAIServing):
         k = request.top_logprobs or 0
         content = []
         for token_id, entry in zip(token_ids, logprobs):
-            best = sorted(entry.items(), key=lambda item: -item[1])[:k]
+            best = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
             content.append(
                 ChatCompletionTokenLogprob(
-                    **self._top_logprob(token_id, entry[token_id]).model_dump(),
-                    top_logprobs=[self._top_logprob(t, lp) for t, lp in best],
+                    **self._top_logprob(token_id, entry[token_id].logprob).model_dump(),
+                    top_logprobs=[self._top_logprob(t, lp.logprob) for t, lp in best],
                 )
             )
         return ChatChoiceLogprobs(content=content)

@@ -1,4 +1,5 @@
-"""POST /v1/completions: a text or token-id prompt, streamed (SSE) or not."""
+"""POST /v1/completions: text or token-id prompts (one or a batch), ``n`` choices each,
+streamed (SSE) or not."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from fastapi import Request as HTTPRequest
 from fastapi import Response
 
 from pagedkv.engine.async_llm import RequestStream
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.outputs import PositionLogprobs, RequestOutput
+from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -19,7 +21,7 @@ from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
 
 #: OpenAI's default for the legacy completions endpoint.
 DEFAULT_MAX_TOKENS = 16
-_UNSUPPORTED = ("echo", "suffix", "best_of", "logit_bias")
+_UNSUPPORTED = ("echo", "suffix", "logit_bias")
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -28,50 +30,61 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> Response:
         self.check_model(request)
         self.check_unsupported(request, _UNSUPPORTED)
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(
+                "best_of is not supported unless equal to n (vLLM V1 dropped it)", "best_of"
+            )
         param_names = self.param_names()
-        max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-        params = self.sampling_params(request, max_tokens, request.logprobs, param_names)
+        params = self.sampling_params(
+            request, request.max_tokens, request.logprobs, param_names, DEFAULT_MAX_TOKENS
+        )
         request_id = self.request_id(raw_request, "cmpl")
-        stream = self.submit(request_id, request.prompt, params, request, param_names)
-        return await self.respond(request_id, stream, request, raw_request, param_names)
+        streams = self.submit(request_id, request.prompts, params, request, param_names)
+        return await self.respond(request_id, streams, request, raw_request, param_names)
 
     def full_response(
-        self, request_id: str, final: RequestOutput, request: CompletionRequest
+        self, request_id: str, finals: list[RequestOutput], request: CompletionRequest
     ) -> CompletionResponse:
-        completion = final.outputs[0]
-        choice = CompletionChoice(
-            text=completion.text,
-            logprobs=self._logprobs(completion.token_ids, completion.logprobs, 0),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
+        choices = [
+            CompletionChoice(
+                index=i * request.n + completion.index,
+                text=completion.text,
+                logprobs=self._logprobs(completion.token_ids, completion.logprobs, 0),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for i, final in enumerate(finals)
+            for completion in final.outputs
+        ]
         return CompletionResponse(
             id=request_id,
             model=self.served_model_name,
-            choices=[choice],
-            usage=self.usage(final),
-            kv_transfer_params=self.kv_transfer_params(final, request),
+            choices=choices,
+            usage=self.usage(finals),
+            kv_transfer_params=self.kv_transfer_params(finals[0], request),
         )
 
     async def stream_chunks(
-        self, request_id: str, stream: RequestStream, request: CompletionRequest
+        self, request_id: str, streams: list[RequestStream], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
-        text_offset = 0
-        final = None
-        async for delta in self.deltas(stream):
-            final = delta.output
+        text_offsets: dict[int, int] = {}
+        finals: dict[str, RequestOutput] = {}
+        async for delta in self.deltas(streams, request.n):
+            finals[delta.output.request_id] = delta.output
+            text_offset = text_offsets.get(delta.index, 0)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, text_offset)
             if logprobs is not None:
-                text_offset += sum(map(len, logprobs.tokens))
+                text_offsets[delta.index] = text_offset + sum(map(len, logprobs.tokens))
             choice = CompletionChoice(
+                index=delta.index,
                 text=delta.text,
                 logprobs=logprobs,
                 finish_reason=delta.finish_reason,
                 stop_reason=delta.stop_reason,
             )
             yield self._chunk(request_id, [choice])
-        if request.include_usage and final is not None:
-            yield self._chunk(request_id, [], usage=self.usage(final))
+        if request.include_usage and finals:
+            yield self._chunk(request_id, [], usage=self.usage(list(finals.values())))
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice], **kw) -> CompletionResponse:
         return CompletionResponse(
@@ -79,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, text_offset: int
+        self, token_ids: list[int], logprobs: list[PositionLogprobs] | None, text_offset: int
     ) -> CompletionLogProbs | None:
         """OpenAI's legacy format. ``top_logprobs`` holds the requested top-k plus the sampled
         token when it is not among them (as vLLM does)."""
@@ -90,7 +103,7 @@ class OpenAIServingCompletion(OpenAIServing):
             token = self.token_text(token_id)
             result.text_offset.append(text_offset)
             result.tokens.append(token)
-            result.token_logprobs.append(entry[token_id])
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in entry.items()})
+            result.token_logprobs.append(entry[token_id].logprob)
+            result.top_logprobs.append({self.token_text(t): lp.logprob for t, lp in entry.items()})
             text_offset += len(token)
         return result

@@ -1,9 +1,12 @@
 """OpenAIServing: what the completions and chat endpoints share.
 
-Request ids, the model-name check, request fields -> SamplingParams, submitting to the engine
+Request ids, the model-name check, request fields -> SamplingParams (the model's generation
+config filling what a request leaves out), structured outputs, submitting to the engine
 (ValueError -> 400 naming the field), answering (a full response, or SSE chunks ending with an
 error event on failure and ``[DONE]``), usage, and turning a request's cumulative outputs into
-deltas for streaming. An endpoint builds its own bodies: ``full_response`` and ``stream_chunks``.
+deltas for streaming. A request may hold several prompts (a batch): each is its own engine
+request with ``n`` sequences, choice ``i * n + j`` being prompt ``i``'s sequence ``j``. An
+endpoint builds its own bodies: ``full_response`` and ``stream_chunks``.
 
 A request the engine ended with an error (finish_reason ``error``: its KV could not be loaded
 from another instance under ``kv_load_failure_policy=fail``) is never a 200 with empty text: it
@@ -15,8 +18,9 @@ server gives up on it is a 503.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import NamedTuple
 
@@ -32,10 +36,11 @@ from pagedkv.engine.async_llm import (
     RequestStream,
 )
 from pagedkv.engine.llm_engine import PromptType
-from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedkv.entrypoints.openai.errors import KV_TRANSFER_ERROR, OpenAIError, bad_request_from
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from pagedkv.entrypoints.openai.stream_merge import merge_streams
 
 #: SamplingParams fields that keep their name in requests (others are mapped per endpoint).
 _SAMPLING_FIELDS = (
@@ -60,21 +65,35 @@ _SAMPLING_FIELDS = (
 )
 
 
-class Delta(NamedTuple):
-    """What one streamed chunk adds to ``output`` (the cumulative output it came from)."""
+#: Request fields that ask for structured outputs (vLLM's extras besides OpenAI's one).
+_STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
+
+class Delta(NamedTuple):
+    """What one streamed chunk adds to choice ``index`` (``completion`` is its cumulative
+    state, ``output`` the request output it came from)."""
+
+    index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[PositionLogprobs] | None
+    completion: CompletionOutput
     output: RequestOutput
 
     @property
     def finish_reason(self) -> str | None:
-        return self.output.outputs[0].finish_reason
+        return self.completion.finish_reason
 
     @property
     def stop_reason(self) -> int | str | None:
-        return self.output.outputs[0].stop_reason
+        return self.completion.stop_reason
 
 
 def sse(body: BaseModel) -> str:
@@ -117,6 +136,8 @@ class OpenAIServing:
         self.async_llm = async_llm
         self.served_model_name = served_model_name
         self.tokenizer = async_llm.tokenizer
+        #: The model's generation config: defaults for the fields a request leaves out.
+        self.default_sampling = async_llm.llm_engine.model_runner.generation_defaults.sampling
 
     @staticmethod
     def request_id(raw_request: HTTPRequest, prefix: str) -> str:
@@ -124,12 +145,16 @@ class OpenAIServing:
         proxy, a load generator) can choose the id and match responses to requests."""
         return f"{prefix}-{raw_request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
 
-    def check_model(self, request: SamplingRequest) -> None:
-        if request.model is not None and request.model != self.served_model_name:
+    def check_model(self, request: BaseModel) -> None:
+        """An unknown model is a 404 ``model_not_found``, as OpenAI and vLLM answer."""
+        model = getattr(request, "model", None)
+        if model is not None and model != self.served_model_name:
             raise OpenAIError(
-                f"The model `{request.model}` does not exist "
+                f"The model `{model}` does not exist "
                 f"(this server serves `{self.served_model_name}`).",
                 param="model",
+                status=HTTPStatus.NOT_FOUND,
+                code="model_not_found",
             )
 
     @staticmethod
@@ -143,91 +168,147 @@ class OpenAIServing:
         """Engine field name -> request field name, for naming the field in a 400."""
         return {name: name for name in _SAMPLING_FIELDS} | renamed
 
-    @staticmethod
     def sampling_params(
+        self,
         request: SamplingRequest,
         max_tokens: int | None,
         logprobs: int | None,
         param_names: dict[str, str],
+        endpoint_max_tokens: int | None = None,
     ) -> SamplingParams:
-        def given(value, default):
-            return default if value is None else value
+        """The request's fields; those it leaves out come from the model's generation config
+        (``--generation-config``), then from vLLM's defaults (``max_tokens``: the config's
+        ``max_new_tokens``, else ``endpoint_max_tokens``, else up to the context length)."""
+        defaults = SamplingParams(**self.default_sampling)
+        if max_tokens is None:
+            max_tokens = self.default_sampling.get("max_tokens", endpoint_max_tokens)
+
+        def given(name: str, value=None):
+            value = getattr(request, name) if value is None else value
+            return getattr(defaults, name) if value is None else value
 
         try:
             return SamplingParams(
                 n=request.n,
-                temperature=given(request.temperature, 1.0),
-                top_p=given(request.top_p, 1.0),
-                top_k=given(request.top_k, 0),
-                min_p=given(request.min_p, 0.0),
+                temperature=given("temperature"),
+                top_p=given("top_p"),
+                top_k=given("top_k"),
+                min_p=given("min_p"),
                 seed=request.seed,
-                stop=given(request.stop, []),
-                stop_token_ids=given(request.stop_token_ids, []),
+                stop=given("stop"),
+                stop_token_ids=given("stop_token_ids"),
                 ignore_eos=request.ignore_eos,
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 logprobs=logprobs,
-                presence_penalty=given(request.presence_penalty, 0.0),
-                frequency_penalty=given(request.frequency_penalty, 0.0),
-                repetition_penalty=given(request.repetition_penalty, 1.0),
+                presence_penalty=given("presence_penalty"),
+                frequency_penalty=given("frequency_penalty"),
+                repetition_penalty=given("repetition_penalty"),
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
+                structured_outputs=self.structured_outputs(request),
             )
         except ValueError as e:
             raise bad_request_from(e, param_names) from None
 
+    @staticmethod
+    def structured_fields(request: SamplingRequest) -> list[str]:
+        """The request fields that ask for structured outputs."""
+        return [
+            name
+            for name in _STRUCTURED_FIELDS
+            if getattr(request, name) is not None
+            and not (name == "response_format" and request.response_format.type == "text")
+        ]
+
+    def structured_outputs(self, request: SamplingRequest) -> StructuredOutputsParams | None:
+        """From ``response_format`` (OpenAI), ``structured_outputs`` or ``guided_*`` (vLLM); at
+        most one of them. Raises OpenAIError naming the field."""
+        given = self.structured_fields(request)
+        if not given:
+            return None
+        if len(given) > 1:
+            raise OpenAIError(f"give at most one of {', '.join(given)}", param=given[1])
+        field = given[0]
+        try:
+            if field == "response_format":
+                response_format = request.response_format
+                if response_format.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                return StructuredOutputsParams(json=response_format.json_schema.schema_)
+            if field == "structured_outputs":
+                options = request.structured_outputs.model_dump(by_alias=True)
+                return StructuredOutputsParams(**options)
+            kind = field.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(request, field)})
+        except ValueError as e:
+            raise OpenAIError(str(e), param=field) from None
+
     def submit(
         self,
         request_id: str,
-        prompt: PromptType,
+        prompts: Sequence[PromptType],
         params: SamplingParams,
         request: SamplingRequest,
         param_names: dict[str, str],
-    ) -> RequestStream:
-        """Submit under an engine id of its own, ``{request_id}-{random suffix}``: clients may
-        send the same X-Request-Id twice, and each request must still be its own in the engine
-        (never refused, nor aborted by the other's disconnection)."""
+    ) -> list[RequestStream]:
+        """Submit each prompt under an engine id of its own, ``{request_id}-{random suffix}``:
+        clients may send the same X-Request-Id twice, and each request must still be its own
+        in the engine (never refused, nor aborted by the other's disconnection). A refused
+        prompt aborts those of the batch already submitted."""
+        streams: list[RequestStream] = []
         try:
-            return self.async_llm.add_request(
-                f"{request_id}-{uuid.uuid4().hex[:8]}",
-                prompt,
-                params,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                kv_transfer_params=request.kv_transfer_params,
-            )
+            for prompt in prompts:
+                streams.append(
+                    self.async_llm.add_request(
+                        f"{request_id}-{uuid.uuid4().hex[:8]}",
+                        prompt,
+                        params,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        kv_transfer_params=request.kv_transfer_params,
+                        max_tokens_must_fit=True,
+                    )
+                )
         except (ValueError, EngineDeadError) as e:
+            for stream in streams:
+                self.async_llm.abort(stream.request_id, stream)
+            # A grammar the engine cannot compile: name the field it came from.
+            for field in self.structured_fields(request)[:1]:
+                param_names = param_names | {"structured_outputs": field}
             raise engine_error(e, param_names) from None
+        return streams
 
     async def respond(
         self,
         request_id: str,
-        stream: RequestStream,
+        streams: list[RequestStream],
         request: SamplingRequest,
         raw_request: HTTPRequest,
         param_names: dict[str, str],
     ) -> Response:
         """Stream the answer as SSE, or wait for all of it (499 if the client goes first)."""
         if request.stream:
-            chunks = self.stream_chunks(request_id, stream, request)
+            chunks = self.stream_chunks(request_id, streams, request)
             return StreamingResponse(self._sse(chunks, param_names), media_type="text/event-stream")
         try:
-            final = await self.final_output(stream, raw_request)
-            if final is None:  # the client is gone
+            finals = await self.final_outputs(streams, raw_request)
+            if finals is None:  # the client is gone
                 return Response(status_code=499)
-            check_failed(final)
+            for final in finals:
+                check_failed(final)
         except ENGINE_ERRORS as e:
             raise engine_error(e, param_names) from None
-        return JSONResponse(self.full_response(request_id, final, request).model_dump())
+        return JSONResponse(self.full_response(request_id, finals, request).model_dump())
 
     def full_response(
-        self, request_id: str, final: RequestOutput, request: SamplingRequest
+        self, request_id: str, finals: list[RequestOutput], request: SamplingRequest
     ) -> BaseModel:
-        """The endpoint's non-streaming body."""
+        """The endpoint's non-streaming body (``finals``: one output per prompt)."""
         raise NotImplementedError
 
     def stream_chunks(
-        self, request_id: str, stream: RequestStream, request: SamplingRequest
+        self, request_id: str, streams: list[RequestStream], request: SamplingRequest
     ) -> AsyncIterator[BaseModel]:
         """The endpoint's streamed chunks, the usage chunk included."""
         raise NotImplementedError
@@ -245,11 +326,13 @@ class OpenAIServing:
         yield SSE_DONE
 
     @staticmethod
-    async def final_output(stream: RequestStream, raw_request: HTTPRequest) -> RequestOutput | None:
-        """The request's last output, or None if the client disconnected first (the request
-        is aborted then: leaving the stream's iteration aborts it)."""
+    async def final_outputs(
+        streams: list[RequestStream], raw_request: HTTPRequest
+    ) -> list[RequestOutput] | None:
+        """Each request's last output, or None if the client disconnected first (the requests
+        are aborted then: leaving a stream's iteration aborts it)."""
 
-        async def last() -> RequestOutput:
+        async def last(stream: RequestStream) -> RequestOutput:
             final = None
             async for output in stream:
                 final = output
@@ -259,49 +342,68 @@ class OpenAIServing:
             while (await raw_request.receive())["type"] != "http.disconnect":
                 pass
 
-        generation = asyncio.ensure_future(last())
+        generation = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
         watcher = asyncio.ensure_future(disconnected())
+        done: set[asyncio.Future] = set()
         try:
-            await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
             if not generation.done():
+                # cancel() only asks: wait until the streams have left their iteration (and
+                # aborted their requests), so nothing is left to fail unobserved.
                 generation.cancel()
-        if generation.cancelled():
-            return None
-        return generation.result()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await generation
+        if generation in done:
+            return generation.result()
+        return None
 
     @staticmethod
-    async def deltas(stream: RequestStream) -> AsyncIterator[Delta]:
-        """Turn cumulative outputs into what each chunk adds (RequestFailedError for a request
-        the engine ended with an error). Text may lag behind tokens (held
-        back while it could still become a stop string, or until its bytes form a character):
-        a chunk then carries new tokens with empty text, as in vLLM, so a client sees each
-        step (and measures time to first token) when it happens. An output that adds nothing
-        is skipped (never the last one, which has a finish reason)."""
-        num_chars = num_tokens = 0
-        async for output in stream:
-            completion = check_failed(output).outputs[0]
-            logprobs = completion.logprobs
-            delta = Delta(
-                text=completion.text[num_chars:],
-                token_ids=completion.token_ids[num_tokens:],
-                logprobs=logprobs[num_tokens:] if logprobs is not None else None,
-                output=output,
-            )
-            num_chars, num_tokens = len(completion.text), len(completion.token_ids)
-            if delta.text or delta.token_ids or delta.finish_reason is not None:
-                yield delta
+    async def deltas(streams: list[RequestStream], n: int = 1) -> AsyncIterator[Delta]:
+        """Turn cumulative outputs into what each chunk adds, per choice (prompt ``i``'s
+        sequence ``j`` is choice ``i * n + j``). Text may lag behind tokens (held back while it
+        could still become a stop string, or until its bytes form a character): a chunk then
+        carries new tokens with empty text, as in vLLM, so a client sees each step (and
+        measures time to first token) when it happens. A choice that gains nothing in an
+        output is skipped (never at its end, which has a finish reason). A request the engine
+        ended with an error raises RequestFailedError."""
+        seen: dict[int, tuple[int, int, bool]] = {}  # choice -> chars, tokens, finished
+        async for prompt_index, output in merge_streams(streams):
+            for completion in check_failed(output).outputs:
+                index = prompt_index * n + completion.index
+                num_chars, num_tokens, finished = seen.get(index, (0, 0, False))
+                if finished:
+                    continue
+                logprobs = completion.logprobs
+                delta = Delta(
+                    index=index,
+                    text=completion.text[num_chars:],
+                    token_ids=completion.token_ids[num_tokens:],
+                    logprobs=logprobs[num_tokens:] if logprobs is not None else None,
+                    completion=completion,
+                    output=output,
+                )
+                seen[index] = (
+                    len(completion.text),
+                    len(completion.token_ids),
+                    completion.finish_reason is not None,
+                )
+                if delta.text or delta.token_ids or delta.finish_reason is not None:
+                    yield delta
 
     @staticmethod
-    def usage(output: RequestOutput) -> UsageInfo:
-        num_prompt_tokens = len(output.prompt_token_ids)
-        num_completion_tokens = len(output.outputs[0].token_ids)
+    def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
+        """Prompt tokens once per prompt, completion tokens over every choice (OpenAI's)."""
+        num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        num_completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(o.num_cached_tokens for o in outputs)
+            ),
         )
 
     @staticmethod

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedkv.entrypoints.bench.datasets import positive_float, positive_int
-from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
+from pagedkv.arg_types import positive_float, positive_int
+
+#: How the proxy picks instances (``proxy/router.py``).
+ROUTING_POLICIES = ("round_robin", "least_loaded")
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
 FALLBACKS = ("none", "local")

@@ -14,9 +14,8 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from pagedkv.entrypoints.proxy.cli_args import ROUTING_POLICIES
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
-
-ROUTING_POLICIES = ("round_robin", "least_loaded")
 
 
 class Router:

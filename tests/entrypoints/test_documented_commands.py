@@ -1,0 +1,219 @@
+"""Every command in the README and in the ``--help`` examples runs as written.
+
+The shell and Python blocks run in document order: ``pagedkv serve`` and ``pagedkv proxy`` start
+in the background (and must come up), everything else must exit 0. Two rewrites, the same for
+every occurrence: each port (the default 8000 included) becomes a free one (a shared machine
+may hold 8000), and, unless
+``PAGEDKV_DOC_COMMANDS_FULL=1``, long runs are shortened (``--num-prompts`` to 8,
+``--duration`` to 3 s). Install and test-suite commands (``pip install``, ``pytest``) are what
+CI itself runs, so they are skipped here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.entrypoints.conftest import REPO_ROOT, free_port, subprocess_env
+
+FULL = os.environ.get("PAGEDKV_DOC_COMMANDS_FULL") == "1"
+START_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 600.0
+_PORT = re.compile(r"(?<=--port )\d+|(?<=--registry-port )\d+|(?<=127\.0\.0\.1:)\d+|"
+                   r"(?<=localhost:)\d+|(?<=_port\":)\d+")  # fmt: skip
+
+
+def blocks(markdown: str) -> list[tuple[str, str]]:
+    """``(language, text)`` of each fenced block, in order."""
+    return re.findall(r"```(bash|python)\n(.*?)```", markdown, flags=re.S)
+
+
+def shell_commands(text: str) -> list[str]:
+    """One string per command: continuation lines and quotes spanning lines joined, comments
+    dropped."""
+    commands, current = [], ""
+    for line in text.splitlines():
+        current += line + "\n"
+        try:
+            shlex.split(current, comments=True)
+        except ValueError:  # an open quote: the command goes on
+            continue
+        if current.rstrip().endswith("\\"):
+            continue
+        argv = shlex.split(current.replace("\\\n", " "), comments=True)
+        if argv:
+            commands.append(shlex.join(argv))
+        current = ""
+    return commands
+
+
+def with_default_port(command: str) -> str:
+    """Spell out the default port 8000, so that it is remapped like the others."""
+    if command.startswith("pagedkv serve") and "--port" not in command:
+        return f"{command} --port 8000"
+    if command.startswith("pagedkv bench serve") and "--base-url" not in command:
+        return f"{command} --base-url http://127.0.0.1:8000"
+    return command
+
+
+def shorten(command: str) -> str:
+    if FULL:
+        return command
+    command = re.sub(r"--num-prompts \d+", "--num-prompts 8", command)
+    return re.sub(r"--duration \d+", "--duration 3", command)
+
+
+class Session:
+    """Runs documented commands; background servers live until ``close``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.ports: dict[str, str] = {}
+        self.background: list[subprocess.Popen] = []
+        self.redis: subprocess.Popen | None = None
+        self.proxy_url: str | None = None
+        self.registered = {"prefill": 0, "decode": 0}
+        self.env = subprocess_env()
+        # Commands run from a scratch directory (their outputs land there) in which relative
+        # paths from the repository root, such as pagedkv/assets/default_model, still resolve.
+        (log_dir / "pagedkv").symlink_to(REPO_ROOT / "pagedkv")
+
+    def remap(self, text: str) -> str:
+        return _PORT.sub(lambda m: self.ports.setdefault(m.group(), str(free_port())), text)
+
+    def run_shell(self, command: str) -> None:
+        if command.startswith(("pip ", "python -m pytest")):  # what CI itself runs
+            return
+        command = shorten(self.remap(with_default_port(command)))
+        print(f"[{time.strftime('%X')}] $ {command}", flush=True)
+        if "redis://" in command:
+            self._start_redis(command)
+        argv = shlex.split(command)
+        if argv[0] == "pagedkv":
+            argv = [sys.executable, "-m", "pagedkv", *argv[1:]]
+        if argv[2:4] in (["pagedkv", "serve"], ["pagedkv", "proxy"]):
+            self._start(argv, command)
+            return
+        result = subprocess.run(
+            argv, cwd=self.log_dir, env=self.env, capture_output=True, text=True,
+            timeout=RUN_TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+
+    def run_python(self, code: str) -> None:
+        print(f"[{time.strftime('%X')}] python block", flush=True)
+        result = subprocess.run(
+            [sys.executable, "-c", self.remap(code)], cwd=self.log_dir, env=self.env,
+            capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr}"
+
+    def _start(self, argv: list[str], command: str) -> None:
+        log_path = self.log_dir / f"server-{len(self.background)}.log"
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                argv, cwd=self.log_dir, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.background.append(process)
+        port = re.search(r"--port (\d+)", command)
+        url = f"http://127.0.0.1:{port.group(1) if port else self.remap('127.0.0.1:8000')[10:]}"
+        self._wait(process, command, log_path, lambda: httpx.get(f"{url}/health", timeout=2))
+        if argv[3] == "proxy":
+            self.proxy_url = url
+        elif "proxy_port" in command and self.proxy_url is not None:
+            # A P or D is of use once the proxy knows it: the next command goes through it.
+            role = "prefill" if "kv_producer" in command else "decode"
+            self.registered[role] += 1
+            proxy_health = f"{self.proxy_url}/health"
+
+            def registered() -> httpx.Response:
+                response = httpx.get(proxy_health, timeout=2)
+                ok = response.json()[role] >= self.registered[role]
+                return response if ok else httpx.Response(503)
+
+            self._wait(process, command, log_path, registered)
+
+    @staticmethod
+    def _wait(process: subprocess.Popen, command: str, log_path: Path, probe) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert process.poll() is None, f"{command}\n{log_path.read_text()}"
+            assert time.monotonic() < deadline, f"{command} not up:\n{log_path.read_text()}"
+            try:
+                if probe().status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+
+    def _start_redis(self, command: str) -> None:
+        if self.redis is not None:
+            return
+        server = shutil.which("redis-server")
+        if server is None:
+            if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
+                pytest.fail("redis-server is not installed")
+            pytest.skip("redis-server is not installed: the store example needs one")
+        port = re.search(r"redis://127\.0\.0\.1:(\d+)", command).group(1)
+        self.redis = subprocess.Popen(
+            [server, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+
+    def close(self) -> None:
+        for process in [*reversed(self.background), self.redis]:
+            if process is None:
+                continue
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    s = Session(tmp_path)
+    yield s
+    s.close()
+
+
+@pytest.mark.timeout(1200)
+def test_readme_commands_run_as_written(session: Session) -> None:
+    readme = (REPO_ROOT / "README.md").read_text()
+    ran = 0
+    for language, text in blocks(readme):
+        if language == "python":
+            session.run_python(text)
+            ran += 1
+            continue
+        for command in shell_commands(text):
+            session.run_shell(command)
+            ran += 1
+    assert ran >= 15
+
+
+@pytest.mark.timeout(1200)
+def test_help_examples_run_as_written(session: Session) -> None:
+    from pagedkv.entrypoints.cli import _EXAMPLES
+
+    ran = 0
+    for name in ("generate", "serve", "proxy", "throughput", "bench-serve"):
+        examples = _EXAMPLES[name].split("\n\n")[0].removeprefix("examples:\n")
+        for command in shell_commands(examples):
+            session.run_shell(command)
+            ran += 1
+    assert ran >= 12
