@@ -5,8 +5,9 @@ in the background (and must come up), everything else must exit 0. Two rewrites,
 every occurrence: each port (the default 8000 included) becomes a free one (a shared machine
 may hold 8000), and, unless
 ``PAGEDKV_DOC_COMMANDS_FULL=1``, long runs are shortened (``--num-prompts`` to 8,
-``--duration`` to 3 s). Install and test-suite commands (``pip install``, ``pytest``) are what
-CI itself runs, so they are skipped here.
+``--duration`` to 3 s). Install and test-suite commands (``pip install``, ``apt-get``,
+``pytest``) are what CI itself runs, so they are skipped here. ``mooncake_master`` starts in the
+background like a server (it must come up: its RPC port accepts connections).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -30,7 +32,7 @@ FULL = os.environ.get("PAGEDKV_DOC_COMMANDS_FULL") == "1"
 START_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 600.0
 _PORT = re.compile(r"(?<=--port )\d+|(?<=--registry-port )\d+|(?<=127\.0\.0\.1:)\d+|"
-                   r"(?<=localhost:)\d+|(?<=_port\":)\d+")  # fmt: skip
+                   r"(?<=localhost:)\d+|(?<=_port\":)\d+|(?<=_port=)\d+")  # fmt: skip
 
 
 def blocks(markdown: str) -> list[tuple[str, str]]:
@@ -92,7 +94,7 @@ class Session:
         return _PORT.sub(lambda m: self.ports.setdefault(m.group(), str(free_port())), text)
 
     def run_shell(self, command: str) -> None:
-        if command.startswith(("pip ", "python -m pytest")):  # what CI itself runs
+        if command.startswith(("pip ", "apt-get ", "python -m pytest")):  # what CI itself runs
             return
         command = shorten(self.remap(with_default_port(command)))
         print(f"[{time.strftime('%X')}] $ {command}", flush=True)
@@ -103,6 +105,9 @@ class Session:
             argv = [sys.executable, "-m", "pagedkv", *argv[1:]]
         if argv[2:4] in (["pagedkv", "serve"], ["pagedkv", "proxy"]):
             self._start(argv, command)
+            return
+        if argv[0] == "mooncake_master":
+            self._start_mooncake_master(argv, command)
             return
         result = subprocess.run(
             argv, cwd=self.log_dir, env=self.env, capture_output=True, text=True,
@@ -152,9 +157,26 @@ class Session:
             try:
                 if probe().status_code == 200:
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, OSError):
                 pass
             time.sleep(0.3)
+
+    def _start_mooncake_master(self, argv: list[str], command: str) -> None:
+        if shutil.which("mooncake_master") is None:
+            if os.environ.get("PAGEDKV_REQUIRE_MOONCAKE") == "1":
+                pytest.fail("mooncake_master is not installed (the mooncake extra)")
+            pytest.skip("mooncake_master is not installed: the Mooncake example needs one")
+        log_path = self.log_dir / "mooncake_master.log"
+        with log_path.open("w") as log:
+            process = subprocess.Popen(argv, cwd=self.log_dir, stdout=log, stderr=log)
+        self.background.append(process)
+        port = int(re.search(r"--rpc_port=(\d+)", command).group(1))
+
+        def accepts() -> httpx.Response:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return httpx.Response(200)
+
+        self._wait(process, command, log_path, accepts)
 
     def _start_redis(self, command: str) -> None:
         if self.redis is not None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedkv.arg_types import port
+from pagedkv.arg_types import port, positive_float
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.entrypoints.bench.datasets import positive_float
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
