@@ -26,7 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import REPO_ROOT, free_port, subprocess_env
+from tests.entrypoints.conftest import REPO_ROOT, subprocess_env
+from tests.ports import free_port
 
 FULL = os.environ.get("PAGEDKV_DOC_COMMANDS_FULL") == "1"
 START_TIMEOUT_S = 180.0
