@@ -69,6 +69,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step loop (abort, stop string): free their blocks now
@@ -384,7 +386,9 @@ class Scheduler:
             request = self.sending.pop(request_id, None)
             if request is not None:
                 kv.free(request)
-        recompute = self._handle_invalid_blocks(output.invalid_block_ids, outputs)
+        recompute = self._handle_invalid_blocks(
+            output.invalid_block_ids, outputs, output.load_errors
+        )
         for request_id in output.finished_recving:
             ended = self.ended_while_loading.pop(request_id, None)
             if ended is not None:
@@ -402,7 +406,10 @@ class Scheduler:
         return recompute
 
     def _handle_invalid_blocks(
-        self, invalid_block_ids: set[int], outputs: list[EngineCoreOutput]
+        self,
+        invalid_block_ids: set[int],
+        outputs: list[EngineCoreOutput],
+        load_errors: dict[str, str],
     ) -> set[str]:
         """A failed load is a set of block ids. Under the "recompute" policy the affected
         request keeps the KV before the first bad block and computes the rest itself; under
@@ -419,9 +426,11 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if policy == "fail":
+                    why = load_errors.get(request.request_id)
                     self.failed_loads[request.request_id] = (
                         f"loading the KV cache of request {request.request_id!r} from a remote "
                         "instance failed (kv_load_failure_policy=fail)"
+                        + (f": {why}" if why else "")
                     )
                 else:
                     request.num_computed_tokens = min(request.num_computed_tokens, first_bad)

@@ -26,6 +26,8 @@ class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     #: Blocks whose load failed (reported with or before the request's finished_recving).
     invalid_block_ids: set[int] = field(default_factory=set)
+    #: Consumer: why each failed load failed (the peer and the cause), by request id.
+    load_errors: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -48,9 +48,8 @@ def xpyd(cluster_factory):
         servers[name], configs[name] = cluster.serve(
             name, "kv_producer", proxy, send_type=send_type, lease_s=3.0
         )
-    for name in DECODERS:  # D-0 receives in place into runs of its blocks, D-1 stages
-        extra = {"direct_min_bytes": 0} if name == "D-0" else {}
-        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy, **extra)
+    for name in DECODERS:
+        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy)
     cluster.ready(*servers.values())
     proxy.wait_for_instances(len(PREFILLERS), len(DECODERS))
     return SimpleNamespace(proxy=proxy, servers=servers, configs=configs)

@@ -8,7 +8,9 @@ thread and must not block (no gloo, no long waits): they update state and hand w
 
 The sender's address is whatever the (authenticated) envelope says, so the DEALERs are a
 bounded LRU (``max_peers``): messages from many claimed addresses cost at most that many
-sockets, never every file descriptor of the process.
+sockets, never every file descriptor of the process. ``on_heard`` sees the sender of every
+message that decoded; ``on_rejected`` every ``ProtocolError`` (its ``claimed_sender`` is a
+claim, not an identity).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -54,12 +57,16 @@ class ControlPlane:
         handlers: dict[type[msgspec.Struct], Handler],
         name: str = "p2p",
         max_peers: int = MAX_PEERS,
+        on_heard: Callable[[PeerAddr], None] | None = None,
+        on_rejected: Callable[[ProtocolError], None] | None = None,
     ) -> None:
         self.codec = codec
         self.address = address
         self.name = name
         self.max_peers = max_peers
         self._handlers = handlers
+        self._on_heard = on_heard
+        self._on_rejected = on_rejected
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -70,6 +77,8 @@ class ControlPlane:
         #: Endpoint -> DEALER, least recently used first.
         self._dealers: collections.OrderedDict[str, _Dealer] = collections.OrderedDict()
         self._dealers_lock = threading.Lock()
+        #: Forgotten DEALERs still flushing what was queued: (close at, DEALER).
+        self._retired: list[tuple[float, _Dealer]] = []
         self._stop = threading.Event()
         #: Dropped messages by reason ("malformed", "oversized", "unauthenticated", ...).
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -125,13 +134,35 @@ class ControlPlane:
             dealer = self._dealers[endpoint] = _Dealer(socket)
             return dealer
 
-    def forget(self, peer: PeerAddr) -> None:
-        """Close the DEALER to a peer that went away (a later send reconnects)."""
+    def forget(self, peer: PeerAddr, keep_s: float = 0.0, now: float | None = None) -> None:
+        """Stop using the DEALER to a peer that went away (a later send opens a new one). It is
+        kept open ``keep_s`` more seconds, so what is queued on it (a CANCEL to a peer that
+        was only hung) still goes out if the peer comes back; ``close_retired`` closes it."""
         with self._dealers_lock:
             dealer = self._dealers.pop(peer.endpoint, None)
+            if dealer is not None and keep_s > 0:
+                deadline = (time.monotonic() if now is None else now) + keep_s
+                self._retired.append((deadline, dealer))
+                dealer = None
+                if len(self._retired) > self.max_peers:  # bounded, like the live ones
+                    _, dealer = self._retired.pop(0)
         if dealer is not None:
             with dealer.lock:
                 dealer.socket.close(linger=0)
+
+    def close_retired(self, now: float) -> None:
+        """Close the forgotten DEALERs whose time is up."""
+        with self._dealers_lock:
+            due = [dealer for deadline, dealer in self._retired if deadline <= now]
+            self._retired = [(d, dealer) for d, dealer in self._retired if d > now]
+        for dealer in due:
+            with dealer.lock:
+                dealer.socket.close(linger=0)
+
+    @property
+    def num_peers(self) -> int:
+        """DEALERs open now (forgotten ones still flushing included)."""
+        return len(self._dealers) + len(self._retired)
 
     # ------------------------------------------------------------------ inbound
     def _serve(self) -> None:
@@ -162,7 +193,11 @@ class ControlPlane:
                 e,
                 self.rejected[e.reason],
             )
+            if self._on_rejected is not None:
+                self._on_rejected(e)
             return
+        if self._on_heard is not None:
+            self._on_heard(envelope.sender)
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rejected["unexpected"] += 1
@@ -179,15 +214,18 @@ class ControlPlane:
         except Exception:
             logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the listener and close every socket; what is queued (a goodbye) gets up to
+        ``linger_s`` to leave."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._dealers_lock:
-            dealers = list(self._dealers.values())
+            dealers = list(self._dealers.values()) + [dealer for _, dealer in self._retired]
             self._dealers.clear()
+            self._retired.clear()
         for dealer in dealers:
             with dealer.lock:
-                dealer.socket.close(linger=0)
+                dealer.socket.close(linger=int(linger_s * 1000))
         self._router.close(linger=0)
         self._ctx.term()

@@ -1,0 +1,58 @@
+"""Churn over HTTP: ``pagedkv proxy`` and one P stay up while 8 D instances in turn start,
+serve requests through the proxy and stop, by SIGKILL and SIGTERM alternately. Every answer
+equals a single instance's; P's listening sockets, threads and file descriptors come back to
+where they were before the first D; P is at rest; a SIGTERMed D exits 0 and leaves
+``/instances`` within 3 s. (Before, P kept one pair group, with its gloo listener, threads
+and sockets, per departed D.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+from tests.kv_transfer.conftest import MAX_TOKENS, complete
+from tests.kv_transfer.test_p2p_lifecycle import footprint, wait_for_footprint
+from tests.load_check import assert_at_rest
+from tests.tiny_models import random_prompt
+
+
+def test_d_instances_come_and_go_under_one_p_and_the_proxy(cluster_factory, reference_text):
+    cluster = cluster_factory()
+    proxy = cluster.proxy()
+    fast = {"peer_timeout_s": 2.0, "lease_s": 3.0}
+    p, _ = cluster.serve("P", "kv_producer", proxy, **fast)
+    cluster.ready(p)
+    proxy.wait_for_instances(1, 0)
+    time.sleep(1.0)
+    rest = footprint(p.process.pid)
+    prompts = [random_prompt(30 + 7 * i, seed=3000 + i) for i in range(16)]
+    expected = reference_text(prompts, MAX_TOKENS)
+    sigterm_outcomes = []
+    for i in range(8):
+        d, _ = cluster.serve(f"D-{i}", "kv_consumer", proxy, **fast)
+        cluster.ready(d)
+        proxy.wait_for_instances(1, 1)
+        client = proxy.client()
+        mine = [2 * i, 2 * i + 1]
+        texts = [complete(client, prompts[j], stream=j % 2 == 1) for j in mine]
+        assert texts == [expected[j] for j in mine], f"D-{i}"
+        assert_at_rest([p.base_url, d.base_url])
+        if i % 2:
+            d.process.send_signal(signal.SIGKILL)
+            d.process.wait(timeout=10)
+            proxy.wait_for_instances(1, 0, timeout_s=15)
+        else:
+            t0 = time.monotonic()
+            d.process.send_signal(signal.SIGTERM)
+            code = d.process.wait(timeout=60)
+            with contextlib.suppress(BaseException):
+                proxy.wait_for_instances(1, 0, timeout_s=15)
+            sigterm_outcomes.append((code, round(time.monotonic() - t0, 1)))
+        # P finds a killed D silent after peer_timeout_s; its DEALER flushes for lease_s.
+        wait_for_footprint(p.process.pid, rest, timeout_s=30)
+    assert_at_rest([p.base_url])
+    assert all(code == 0 and gone_s <= 3 for code, gone_s in sigterm_outcomes), (
+        f"SIGTERMed D: (exit status, seconds until it left /instances) {sigterm_outcomes}"
+    )
