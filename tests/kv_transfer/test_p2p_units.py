@@ -203,6 +203,31 @@ def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> N
         plane.close()
 
 
+def test_a_forgotten_peer_still_gets_what_was_queued_and_costs_no_new_socket() -> None:
+    """A peer that went away keeps its DEALER for a while: a message queued to it before (a
+    CANCEL to a P that was only hung) reaches it when it comes back, a late message reuses
+    that DEALER instead of opening another, and it is closed when its time is up."""
+    heard: list = []
+    address = PeerAddr("hung", "127.0.0.1", free_port())
+    sender = ControlPlane(codec(), PeerAddr("me", "127.0.0.1", free_port()), {})
+    try:
+        sender.send(address, Heartbeat(["queued before"]))  # nobody listens yet
+        sender.forget(address, keep_s=30, now=0.0)
+        sender.send(address, Heartbeat(["late"]))
+        assert sender.num_peers == 1
+        plane = ControlPlane(codec(), address, {Heartbeat: lambda _, m: heard.append(m)})
+        plane.start()  # the peer resumes
+        wait_until(lambda: len(heard) == 2)
+        assert [m.transfer_ids for m in heard] == [["queued before"], ["late"]]
+        sender.close_retired(now=29.0)
+        assert sender.num_peers == 1
+        sender.close_retired(now=31.0)
+        assert sender.num_peers == 0
+        plane.close()
+    finally:
+        sender.close()
+
+
 def wait_until(condition, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -77,8 +77,10 @@ class ControlPlane:
         #: Endpoint -> DEALER, least recently used first.
         self._dealers: collections.OrderedDict[str, _Dealer] = collections.OrderedDict()
         self._dealers_lock = threading.Lock()
-        #: Forgotten DEALERs still flushing what was queued: (close at, DEALER).
-        self._retired: list[tuple[float, _Dealer]] = []
+        #: Forgotten DEALERs, by endpoint: (close at, DEALER), oldest first.
+        self._retired: collections.OrderedDict[str, tuple[float, _Dealer]] = (
+            collections.OrderedDict()
+        )
         self._stop = threading.Event()
         #: Dropped messages by reason ("malformed", "oversized", "unauthenticated", ...).
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -118,6 +120,8 @@ class ControlPlane:
             if dealer is not None:
                 self._dealers.move_to_end(endpoint)
                 return dealer
+            if endpoint in self._retired:  # a late message to a peer gone: no new socket
+                return self._retired[endpoint][1]
             while len(self._dealers) >= self.max_peers:
                 _, evicted = self._dealers.popitem(last=False)
                 self.num_evicted_peers += 1
@@ -135,27 +139,39 @@ class ControlPlane:
             return dealer
 
     def forget(self, peer: PeerAddr, keep_s: float = 0.0, now: float | None = None) -> None:
-        """Stop using the DEALER to a peer that went away (a later send opens a new one). It is
-        kept open ``keep_s`` more seconds, so what is queued on it (a CANCEL to a peer that
-        was only hung) still goes out if the peer comes back; ``close_retired`` closes it."""
+        """Retire the DEALER to a peer that went away. It is kept ``keep_s`` more seconds, so
+        what is queued on it (a CANCEL to a peer that was only hung) still goes out if the
+        peer comes back, and late messages to the peer reuse it instead of opening a socket;
+        ``close_retired`` closes it then, ``revive`` takes it back into use."""
         with self._dealers_lock:
             dealer = self._dealers.pop(peer.endpoint, None)
             if dealer is not None and keep_s > 0:
                 deadline = (time.monotonic() if now is None else now) + keep_s
-                self._retired.append((deadline, dealer))
+                self._retired[peer.endpoint] = (deadline, dealer)
                 dealer = None
                 if len(self._retired) > self.max_peers:  # bounded, like the live ones
-                    _, dealer = self._retired.pop(0)
+                    _, (_, dealer) = self._retired.popitem(last=False)
         if dealer is not None:
             with dealer.lock:
                 dealer.socket.close(linger=0)
 
-    def close_retired(self, now: float) -> None:
-        """Close the forgotten DEALERs whose time is up."""
+    def revive(self, peer: PeerAddr) -> None:
+        """The peer is back (a new pair group): its retired DEALER, if any, is live again."""
         with self._dealers_lock:
-            due = [dealer for deadline, dealer in self._retired if deadline <= now]
-            self._retired = [(d, dealer) for d, dealer in self._retired if d > now]
-        for dealer in due:
+            retired = self._retired.pop(peer.endpoint, None)
+            if retired is not None and peer.endpoint not in self._dealers:
+                self._dealers[peer.endpoint] = retired[1]
+                retired = None
+        if retired is not None:
+            with retired[1].lock:
+                retired[1].socket.close(linger=0)
+
+    def close_retired(self, now: float) -> None:
+        """Close the retired DEALERs whose time is up."""
+        with self._dealers_lock:
+            due = [ep for ep, (deadline, _) in self._retired.items() if deadline <= now]
+            dealers = [self._retired.pop(ep)[1] for ep in due]
+        for dealer in dealers:
             with dealer.lock:
                 dealer.socket.close(linger=0)
 
@@ -221,7 +237,7 @@ class ControlPlane:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._dealers_lock:
-            dealers = list(self._dealers.values()) + [dealer for _, dealer in self._retired]
+            dealers = list(self._dealers.values()) + [d for _, d in self._retired.values()]
             self._dealers.clear()
             self._retired.clear()
         for dealer in dealers:

@@ -162,10 +162,6 @@ class SendLane(Lane):
         self._on_end = on_end
         self._queue: deque[Job] = deque()
 
-    @property
-    def queued_bytes(self) -> int:
-        return sum(job.num_bytes for job in self._queue)
-
     def submit(self, jobs: list[Job]) -> bool:
         """Queue jobs to go out in this order; False (nothing queued) once stopped."""
         with self._cond:

@@ -140,6 +140,7 @@ class Peers:
         """The group with ``peer``, set up if there is none (room is made: LRU first);
         raises PairGroupError when none can be set up now."""
         self._make_room(peer.engine_id)
+        self.control.revive(peer)
         group = self.groups.ensure(peer)
         group.last_active = time.monotonic()
         return group
@@ -225,6 +226,7 @@ class Peers:
 
     def on_hello(self, peer: PeerAddr, hello: Hello) -> None:
         self._make_room(peer.engine_id)
+        self.control.revive(peer)
         self.groups.on_hello(peer, hello)
 
     def on_bye(self, peer: PeerAddr, bye: Bye) -> None:
