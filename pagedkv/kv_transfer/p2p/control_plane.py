@@ -204,8 +204,9 @@ class ControlPlane:
             self.rejected[e.reason] += 1
             self._log.warning(
                 e.reason,
-                "%s: dropped a control message (%s) [%d so far]",
+                "%s: dropped a control message%s (%s) [%d so far]",
                 self.name,
+                f" from {e.claimed_sender} (claimed)" if e.claimed_sender else "",
                 e,
                 self.rejected[e.reason],
             )

@@ -257,13 +257,7 @@ class Peers:
     def on_rejected(self, error: ProtocolError) -> None:
         peer = error.claimed_sender
         if error.reason not in _TOLD or peer is None:
-            return
-        self._log.warning(
-            f"{error.reason}:{peer.engine_id}",
-            "control messages from %s (claimed) refused: %s",
-            peer,
-            error,
-        )
+            return  # (the control plane logged it)
         now = time.monotonic()
         with self._told_lock:
             told = self._told.get(peer.endpoint)
