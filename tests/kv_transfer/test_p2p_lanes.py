@@ -11,8 +11,9 @@ import weakref
 import pytest
 import torch
 
-from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
-from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, StagingRing
+from pagedkv.kv_transfer.p2p.lanes import Job, SendLane, StagingRing
+from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
+from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
 from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, consecutive_start, plan_segments
@@ -44,6 +45,7 @@ class Load:
     def __init__(self, cancelled: bool = False) -> None:
         self.lock = threading.Lock()
         self.cancelled = cancelled
+        self.posted = 0
 
 
 def caches(fill: bool) -> list[torch.Tensor]:
@@ -171,15 +173,55 @@ def test_the_staging_ring_hands_out_bytes_first_in_first_out() -> None:
     ring.release()
 
 
+def test_a_load_cancelled_with_a_receive_in_its_blocks_ends_when_that_receive_has(pair):
+    """D receives a run of its blocks straight into them. The load is cancelled while such a
+    receive is posted: its end is reported only once that receive has completed (it may
+    still write), and every later message of it drains into staging, touching nothing."""
+    group_a, group_b, _ = pair
+    src, dst = caches(fill=True), caches(fill=False)
+    segments = [[2, 2]]
+    ids = torch.tensor([4, 5, 6, 7])  # consecutive on both sides: straight into the blocks
+    load = Load()
+    told: list = []
+    receiver = ReceiveLane(
+        group_b.pg, group_b.peer_rank,
+        lambda tid, segs: (load, [LayerBlocks(c, ids, segs[0]) for c in dst]),
+        lambda segs: pytest.fail("not drained"),
+        lambda target, n, error: told.append((n, error)),
+        lambda reason: pytest.fail(reason), 1, 10, "recv",  # one message in flight at a time
+    )  # fmt: skip
+    receiver.start()
+    receiver.submit(XferBegin(group_a.name, 77, [XferPart("t", segments)]))
+    wait_until(lambda: load.posted == 1)
+    with load.lock:  # what InboundTransfers does when it ends the load
+        load.cancelled = True
+        assert load.posted == 1  # so it must not report yet
+    time.sleep(0.2)
+    assert told == []
+    layers = [LayerBlocks(c, ids, segments[0]) for c in src]
+    for blocks in layers:  # P sends all of it: 3 layers x (K, V) x 2 segments
+        for kv, start, end in blocks.messages():
+            group_a.pg.send([blocks.run(kv, start, end)], group_a.peer_rank, 77).wait()
+    wait_until(lambda: len(told) == 2)
+    message = src[0][0, 0].numel() * 2 * 2  # 2 blocks of one K or V half
+    assert str(told[0][1]) == "cancelled" and told[1] == (12 * message, None)
+    assert torch.equal(dst[0][0, 4:6], src[0][0, 4:6])  # the receive that was in flight
+    assert not dst[0][1].any() and not dst[0][0, 6:].any() and not dst[1].any()
+    receiver.stop("done")
+
+
 def test_messages_are_packed_and_scattered_by_block_ids() -> None:
     cache = torch.arange(2 * 8.0).view(2, 8, 1, 1, 1)
     layer = LayerBlocks(cache, torch.tensor([2, 3, 6]), [2, 1])
     assert list(layer.messages()) == [(0, 0, 2), (1, 0, 2), (0, 2, 3), (1, 2, 3)]
     assert consecutive_start(torch.tensor([2, 3])) == 2
     assert consecutive_start(torch.tensor([3, 6])) is None
-    view = layer.pack(1, 0, 2, copy=False)  # a run: the cache itself, no copy
+    view = layer.run(1, 0, 2)  # consecutive ids: the cache itself, no copy
     assert view.data_ptr() == cache[1, 2].data_ptr() and view.flatten().tolist() == [10, 11]
-    assert layer.pack(0, 1, 3, copy=False).flatten().tolist() == [3.0, 6.0]
+    assert layer.run(0, 1, 3) is None and layer.shape(1, 3) == (2, 1, 1, 1)
+    packed = torch.empty(layer.shape(1, 3))
+    layer.gather(0, 1, 3, packed)
+    assert packed.flatten().tolist() == [3.0, 6.0] and layer.num_bytes(1, 3) == 8
     target = LayerBlocks(torch.zeros_like(cache), torch.tensor([5, 1, 7]), [3])
     target.scatter(0, 0, 3, torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1, 1))
     assert target.cache[0].flatten().tolist() == [0, 2, 0, 0, 0, 1, 0, 3]

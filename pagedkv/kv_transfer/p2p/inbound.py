@@ -5,10 +5,11 @@ part of a wire batch on the group's ReceiveLane, and ends exactly once: delivere
 NACKed), or failed (cancelled by the scheduler: aborted or past ``kv_load_timeout``; the
 peer lost or refusing our messages; a receive error). The end is reported at once:
 ``finished_recving``, and for a failed load its blocks in ``invalid_block_ids`` with a reason
-naming the peer and the cause. Setting ``cancelled`` under the load's lock ends every write
-into its blocks (the lane scatters from staging only under that lock), so nothing lands in
-them after the report; what P still sends for it drains into staging. P hears how the load
-ended (DONE, or CANCEL while it had not started), so it frees its blocks at once.
+naming the peer and the cause, once no receive posted straight into its blocks is in flight
+(at once, unless one was): setting ``cancelled`` under the load's lock stops the lane from
+posting or scattering into them, so nothing lands in them after the report; what P still
+sends for it drains into staging. P hears how the load ended (DONE, or CANCEL while it had
+not started), so it frees its blocks at once.
 
 Requests waiting for admission (``on_queued``) are named in the heartbeats too: P keeps their
 KV (renewing its lease) while D has no room to ask for it yet.
@@ -203,8 +204,12 @@ class InboundTransfers:
         assert isinstance(target, Inbound)
         rec = target
         with self._lock:
-            if rec.state.is_terminal:
-                return  # cancelled meanwhile: already reported
+            if rec.state.is_terminal:  # ended meanwhile: reported once nothing is in flight
+                with rec.lock:
+                    idle = rec.posted == 0
+                if idle:
+                    self._report(rec)
+                return
             if error is not None:
                 self._end(rec, FAILED, "receive", f"receive failed: {error}")
                 return
@@ -256,9 +261,10 @@ class InboundTransfers:
         if rec.state.is_terminal:
             return
         was = rec.state
-        with rec.lock:  # from here on nothing is scattered into its blocks
+        with rec.lock:  # from here on nothing more is posted or scattered into its blocks
             rec.cancelled = True
             rec.state = state
+            in_flight = rec.posted > 0
         spec = rec.spec
         self.stats.loads[state.value] += 1
         where = f"from {spec.remote.engine_id} ({spec.remote.endpoint})" if spec.remote else ""
@@ -268,8 +274,10 @@ class InboundTransfers:
             self._log.warning(
                 f"load:{cause}", "load %s %s: %s (%s)", spec.transfer_id, where, state.value, reason
             )
-        failure = None if state is DELIVERED else f"KV load {where}: {state.value}, {reason}"
-        self._report(rec, failure)
+        if state is not DELIVERED:
+            rec.failure = f"KV load {where}: {state.value}, {reason}"
+        if not in_flight:  # else once the receives posted into its blocks have ended
+            self._report(rec)
         if self._by_tid.get(spec.transfer_id) is rec:  # not another load's id
             del self._by_tid[spec.transfer_id]
         if spec.remote is None or state is REFUSED:
@@ -279,14 +287,14 @@ class InboundTransfers:
         else:
             self.peers.control.send(spec.remote, Done(spec.transfer_id, state is DELIVERED, reason))
 
-    def _report(self, rec: Inbound, failure: str | None) -> None:
+    def _report(self, rec: Inbound) -> None:
         """finished_recving, exactly once per load; a failed one's blocks are invalid."""
         if rec.reported:
             return
         rec.reported = True
         spec = rec.spec
         invalid = set()
-        if failure is not None:
+        if rec.failure is not None:
             invalid = {spec.block_ids[g][i] for g, ix in enumerate(spec.block_indices) for i in ix}
-        self.finished.recving(spec.request_id, invalid, failure)
+        self.finished.recving(spec.request_id, invalid, rec.failure)
         self._by_request.pop(spec.request_id, None)

@@ -75,6 +75,48 @@ class Job:
     ended: threading.Event = field(default_factory=threading.Event)
 
 
+class StagingRing:
+    """One reused staging buffer, handed out first in, first out: a message takes the next
+    ``size`` bytes (wrapping to the start when the end is too short) and gives them back once
+    its send or receive (and scatter) is done. At most ``capacity`` bytes (or one larger
+    message) are ever allocated; reusing them spares the page faults of fresh buffers."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffer: torch.Tensor | None = None
+        self._spans: deque[tuple[int, int]] = deque()  # (offset, size), oldest first
+
+    def take(self, size: int) -> torch.Tensor | None:
+        """``size`` bytes, or None until older messages give theirs back."""
+        if self._buffer is None or self._buffer.numel() < size:
+            if self._spans:
+                return None
+            self._buffer = torch.empty(max(self.capacity, size), dtype=torch.uint8)
+        cap = self._buffer.numel()
+        if not self._spans:
+            start = 0
+        else:
+            first = self._spans[0][0]
+            end = self._spans[-1][0] + self._spans[-1][1]
+            if end > first:  # in use: [first, end)
+                start = end if end + size <= cap else 0 if size <= first else -1
+            else:  # wrapped, in use: [first, cap) and [0, end)
+                start = end if end + size <= first else -1
+            if start < 0:
+                return None
+        self._spans.append((start, size))
+        return self._buffer[start : start + size]
+
+    def give_back(self) -> None:
+        """The oldest message's bytes are free again."""
+        self._spans.popleft()
+
+    def release(self) -> None:
+        """Drop the buffer (nothing in use): the lane is idle."""
+        assert not self._spans
+        self._buffer = None
+
+
 class Lane:
     def __init__(
         self,
@@ -89,6 +131,7 @@ class Lane:
         self._peer_rank = peer_rank
         self._on_broken = on_broken
         self._in_flight_bytes = in_flight_bytes
+        self._ring = StagingRing(in_flight_bytes)
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self.name = name
         self._cond = threading.Condition()
@@ -128,11 +171,20 @@ class Lane:
             with contextlib.suppress(Exception):
                 self._wait(work)
 
+    #: An idle lane keeps its staging buffer this long, then lets it go.
+    IDLE_RELEASE_S = 2.0
+
+    def _idle_wait(self) -> None:
+        """Wait for work (the condition held); an idle lane lets its staging buffer go."""
+        if not self._cond.wait(self.IDLE_RELEASE_S):
+            self._ring.release()
+
     def _main(self) -> None:
         try:
             self._run()
         finally:
             self._pg = None  # the last reference: sockets and threads go with the group
+            self._ring = StagingRing(0)
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -190,15 +242,16 @@ class SendLane(Lane):
         return jobs
 
     def _run(self) -> None:
-        #: Posted sends, oldest first: (work, tensor kept alive, jobs whose last send it is).
-        window: deque[tuple[object, torch.Tensor, list[Job]]] = deque()
+        #: Posted sends, oldest first: (work, tensor kept alive, packed in the staging ring,
+        #: jobs whose last send it is).
+        window: deque[tuple[object, torch.Tensor, bool, list[Job]]] = deque()
         state = {"bytes": 0}
         batch: list[Job] = []
         try:
             while True:
                 with self._cond:
                     while not self._queue and not window and self._stopped is None:
-                        self._cond.wait()
+                        self._idle_wait()
                     self._check_stopped()
                     batch = [self._queue.popleft() for _ in range(min(MAX_PARTS, len(self._queue)))]
                 if batch:
@@ -209,12 +262,12 @@ class SendLane(Lane):
         except Exception as e:  # every job still here ends, failed
             reason = str(e)
             self._broke(reason)
-            self._settle(work for work, _, _ in window)  # memory is reused only after
+            self._settle(entry[0] for entry in window)  # memory is reused only after
             with self._cond:
                 leftover = list(self._queue)
                 self._queue.clear()
             error = e if isinstance(e, LaneError) else LaneError(reason)
-            for job in batch + [job for _, _, jobs in window for job in jobs] + leftover:
+            for job in batch + [job for *_, jobs in window for job in jobs] + leftover:
                 job.error = error
                 self._end(job)
 
@@ -232,26 +285,36 @@ class SendLane(Lane):
                 blocks = job.source.layer(layer)
                 for kv, start, end in blocks.messages():
                     self._check_stopped()
-                    message = blocks.pack(kv, start, end, copy=False)
-                    size = nbytes(message)
+                    size = blocks.num_bytes(start, end)
                     while window and state["bytes"] + size > self._in_flight_bytes:
                         self._complete_oldest(window, state)
+                    message = blocks.run(kv, start, end)  # sent from the blocks themselves
+                    packed = message is None
+                    if packed:  # packed into the ring while earlier messages are on the wire
+                        staging = self._ring.take(size)
+                        while staging is None:
+                            self._complete_oldest(window, state)
+                            staging = self._ring.take(size)
+                        message = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
+                        blocks.gather(kv, start, end, message)
                     assert self._pg is not None
                     work = self._pg.send([message], self._peer_rank, tag)
-                    last = (work, message, [])
+                    last = (work, message, packed, [])
                     window.append(last)
                     state["bytes"] += size
         if last is None:  # nothing to send (every segment list empty)
             for job in batch:
                 self._end(job)
         else:
-            last[2].extend(batch)
+            last[3].extend(batch)
 
     def _complete_oldest(self, window: deque, state: dict) -> None:
-        work, message, jobs = window[0]
+        work, message, packed, jobs = window[0]
         self._wait(work)
         window.popleft()
         state["bytes"] -= nbytes(message)
+        if packed:
+            self._ring.give_back()
         for job in jobs:
             self._end(job)
 

@@ -14,7 +14,8 @@ Setup (the side that needs the group first, normally D when it sends its first W
 If both sides start a group at once (two kv_both instances), the smaller generation id wins:
 the other side abandons its own (its PairStore raises) and joins the winner. A Hello for a new
 generation from a peer we already have a group with means the peer lost it: ours is torn down.
-Once ready, a group gets its lanes (``on_ready``; lanes.py). ``drop`` tears a group down: its
+At most ``max_groups`` live (the least recently used goes first). Once ready, a group gets
+its lanes (``on_ready``; lanes.py). ``drop`` tears a group down: its
 lanes stop, and the ProcessGroupGloo is released as soon as the lanes' threads end (it holds
 sockets and a thread; gloo's ``abort`` closes nothing, only the last reference going does,
 which also makes the peer's pending operations fail at once). All groups share one gloo
@@ -141,8 +142,10 @@ class PairGroups:
         op_timeout_s: float,
         on_ready: Callable[[PairGroup], None] | None = None,
         on_dropped: Callable[[PairGroup, str, list[Job]], None] | None = None,
+        max_groups: int = 64,
     ) -> None:
         self.me = me
+        self.max_groups = max_groups
         self._send = send
         self._setup_timeout_s = setup_timeout_s
         self._op_timeout_s = op_timeout_s
@@ -155,6 +158,8 @@ class PairGroups:
         self._device: object | None = None
         #: Hellos refused while MAX_PENDING_SETUPS groups were being set up.
         self.num_dropped_hellos = 0
+        #: Groups torn down to stay within ``max_groups``.
+        self.num_evicted = 0
 
     def _rank_with(self, peer: PeerAddr) -> int:
         return 0 if self.me.engine_id < peer.engine_id else 1
@@ -177,14 +182,19 @@ class PairGroups:
 
     def ensure(self, peer: PeerAddr) -> PairGroup:
         """The group with ``peer`` (pending or ready); starts one if there is none."""
-        with self._lock:
-            group = self._groups.get(peer.engine_id)
-            if group is not None and group.error is None:
-                return group
-            return self._start(peer, uuid.uuid4().hex, send_hello=True)
+        evicted: list[PairGroup] = []
+        try:
+            with self._lock:
+                group = self._groups.get(peer.engine_id)
+                if group is not None and group.error is None:
+                    return group
+                return self._start(peer, uuid.uuid4().hex, True, evicted)
+        finally:
+            self._close_evicted(evicted)
 
     def on_hello(self, peer: PeerAddr, hello: Hello) -> None:
         superseded = None
+        evicted: list[PairGroup] = []
         with self._lock:
             group = self._groups.get(peer.engine_id)
             if group is not None:
@@ -194,7 +204,7 @@ class PairGroups:
                     return  # both started one: ours wins, the peer joins it
                 superseded = self._pop_locked(group)
             try:
-                self._start(peer, hello.group, send_hello=False)
+                self._start(peer, hello.group, False, evicted)
             except PairGroupError as e:
                 self.num_dropped_hellos += 1
                 if self.num_dropped_hellos & (self.num_dropped_hellos - 1) == 0:  # 1, 2, 4...
@@ -203,6 +213,11 @@ class PairGroups:
                     )
         if superseded is not None:
             self._close(superseded, f"the peer started generation {hello.group[:8]}")
+        self._close_evicted(evicted)
+
+    def _close_evicted(self, evicted: list[PairGroup]) -> None:
+        for group in evicted:
+            self._close(group, f"{self.max_groups} pair groups live (least recently used)")
 
     def on_store_set(self, peer: PeerAddr, message: StoreSet) -> None:
         with self._lock:
@@ -213,12 +228,20 @@ class PairGroups:
         if not group.store.deliver(message.key, message.value):
             logger.warning("rendezvous key rejected (store limits) from %s", peer)
 
-    def _start(self, peer: PeerAddr, name: str, send_hello: bool) -> PairGroup:
-        """Called with the lock held: register the generation, then set it up on a thread."""
+    def _start(
+        self, peer: PeerAddr, name: str, send_hello: bool, evicted: list[PairGroup]
+    ) -> PairGroup:
+        """Called with the lock held: register the generation, then set it up on a thread.
+        At ``max_groups``, the least recently used group is popped into ``evicted`` (the
+        caller tears it down once the lock is released)."""
         if self._closed:
             raise PairGroupError("pair groups are shut down")
         if self.num_pending >= MAX_PENDING_SETUPS:
             raise PairGroupError(f"{MAX_PENDING_SETUPS} pair groups are already being set up")
+        if len(self._groups) >= self.max_groups:
+            victim = min(self._groups.values(), key=lambda g: g.last_active)
+            evicted.append(self._pop_locked(victim))
+            self.num_evicted += 1
 
         def publish(key: str, value: bytes) -> None:
             self._send(peer, StoreSet(name, key, value))

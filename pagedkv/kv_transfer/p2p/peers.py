@@ -119,6 +119,7 @@ class Peers:
             p2p.transfer_timeout_s,
             on_ready=self._on_ready,
             on_dropped=self._on_dropped,
+            max_groups=p2p.max_pair_groups,
         )
         self._log = RateLimitedLog(logger)
         self._told: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -137,9 +138,8 @@ class Peers:
 
     # ------------------------------------------------------------------ groups
     def ensure(self, peer: PeerAddr) -> PairGroup:
-        """The group with ``peer``, set up if there is none (room is made: LRU first);
-        raises PairGroupError when none can be set up now."""
-        self._make_room(peer.engine_id)
+        """The group with ``peer``, set up if there is none (at ``max_pair_groups``, the
+        least recently used goes); raises PairGroupError when none can be set up now."""
         self.control.revive(peer)
         group = self.groups.ensure(peer)
         group.last_active = time.monotonic()
@@ -160,16 +160,6 @@ class Peers:
     def lose(self, engine_id: str, reason: str, group: str | None = None) -> None:
         """Tear down the group with a peer (only generation ``group``, when given)."""
         self.groups.drop(engine_id, reason, group)
-
-    def _make_room(self, engine_id: str) -> None:
-        groups = self.groups.all()
-        if len(groups) < self.p2p.max_pair_groups or any(
-            g.peer.engine_id == engine_id for g in groups
-        ):
-            return
-        victim = min(groups, key=lambda g: g.last_active)
-        self.num_groups_torn_down["evicted"] += 1
-        self.lose(victim.peer.engine_id, f"{len(groups)} pair groups live (least recently used)")
 
     def _on_ready(self, group: PairGroup) -> None:
         peer, p2p = group.peer, self.p2p
@@ -225,7 +215,6 @@ class Peers:
             group.last_heard = time.monotonic()
 
     def on_hello(self, peer: PeerAddr, hello: Hello) -> None:
-        self._make_room(peer.engine_id)
         self.control.revive(peer)
         self.groups.on_hello(peer, hello)
 
@@ -320,6 +309,7 @@ class Peers:
         out["num_dropped_hellos"] = self.groups.num_dropped_hellos
         out["pair_groups"] = len(self.groups)
         out["peer_connections"] = self.control.num_peers
-        for why in ("peer_lost", "goodbye", "idle", "broken", "evicted"):
+        for why in ("peer_lost", "goodbye", "idle", "broken"):
             out[f"num_pair_groups_torn_down_{why}"] = self.num_groups_torn_down[why]
+        out["num_pair_groups_torn_down_evicted"] = self.groups.num_evicted
         return out

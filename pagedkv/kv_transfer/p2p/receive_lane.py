@@ -1,10 +1,12 @@
 """ReceiveLane: D's side of a pair group's data path (see lanes.py for the whole).
 
-Batches are received in the order their XFER_BEGINs arrived. Every message lands in a reused
-staging ring, never straight in the paged cache, and is scattered into its load's blocks
-under the load's lock only while the load is not cancelled: a load cancelled mid-transfer is
-reported at once, and what P still sends for it drains into staging, so the lane stays in
-step with P whatever D gave up on.
+Batches are received in the order their XFER_BEGINs arrived. A message whose blocks are
+consecutive on D is received straight into them; any other lands in a reused staging ring and
+is scattered (``index_copy_``) under the load's lock while the next ones arrive. Once a load
+is cancelled nothing more is posted into or scattered into its blocks, and its end is
+reported as soon as no receive posted into them is left (at once, unless one was in
+flight): what P still sends for it drains into staging, so the lane stays in step with P
+whatever D gave up on.
 """
 
 from __future__ import annotations
@@ -24,52 +26,12 @@ from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
 
 
 class Target(Protocol):
-    """A load being received: ``lock`` orders scatters against ``cancelled``."""
+    """A load being received. Under ``lock``: ``cancelled`` (nothing more may land in its
+    blocks) and ``posted`` (receives posted straight into its blocks, still in flight)."""
 
     lock: threading.Lock
     cancelled: bool
-
-
-class StagingRing:
-    """One reused staging buffer, handed out first in, first out: a message takes the next
-    ``size`` bytes (wrapping to the start when the end is too short) and gives them back when
-    its receive has completed and been scattered. At most ``capacity`` bytes (or one larger
-    message) are ever allocated."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._buffer: torch.Tensor | None = None
-        self._spans: deque[tuple[int, int]] = deque()  # (offset, size), oldest first
-
-    def take(self, size: int) -> torch.Tensor | None:
-        """``size`` bytes, or None until older messages give theirs back."""
-        if self._buffer is None or self._buffer.numel() < size:
-            if self._spans:
-                return None
-            self._buffer = torch.empty(max(self.capacity, size), dtype=torch.uint8)
-        cap = self._buffer.numel()
-        if not self._spans:
-            start = 0
-        else:
-            first = self._spans[0][0]
-            end = self._spans[-1][0] + self._spans[-1][1]
-            if end > first:  # in use: [first, end)
-                start = end if end + size <= cap else 0 if size <= first else -1
-            else:  # wrapped, in use: [first, cap) and [0, end)
-                start = end if end + size <= first else -1
-            if start < 0:
-                return None
-        self._spans.append((start, size))
-        return self._buffer[start : start + size]
-
-    def give_back(self) -> None:
-        """The oldest message's bytes are free again."""
-        self._spans.popleft()
-
-    def release(self) -> None:
-        """Drop the buffer (nothing in use): the lane is idle."""
-        assert not self._spans
-        self._buffer = None
+    posted: int
 
 
 @dataclass(slots=True, eq=False)
@@ -89,11 +51,10 @@ _Message = tuple[_Part, LayerBlocks, int, int, int, int, bool]
 class ReceiveLane(Lane):
     """D's side. ``resolve(transfer_id, segments)`` (called on the lane thread when a batch
     starts) gives a load's target and its layers, or None: the part drains into staging
-    (``drain_layers`` sizes it). ``on_received(target, num_bytes, error)`` reports each
-    resolved part once, after its last scatter or once the lane can't go on."""
-
-    #: An idle lane keeps its staging buffer this long, then lets it go.
-    IDLE_RELEASE_S = 2.0
+    (``drain_layers`` sizes it). ``on_received(target, num_bytes, error)``: a resolved
+    part's last message is in (error None), or the lane can't go on, or a cancelled part's
+    last receive posted into its blocks has ended (the same part may be told more than once:
+    only the first end counts)."""
 
     def __init__(
         self,
@@ -112,7 +73,6 @@ class ReceiveLane(Lane):
         self._drain_layers = drain_layers
         self._on_received = on_received
         self._batches: deque[XferBegin] = deque()
-        self._ring = StagingRing(in_flight_bytes)
 
     def submit(self, begin: XferBegin) -> bool:
         """Receive this batch after the ones submitted before it; False once stopped."""
@@ -125,16 +85,16 @@ class ReceiveLane(Lane):
 
     def _run(self) -> None:
         pending: deque[_Message] = deque()
-        #: Posted receives, oldest first: (work, received view, message).
-        window: deque[tuple[object, torch.Tensor, _Message]] = deque()
+        #: Posted receives, oldest first: (work, where it lands, straight into the blocks?,
+        #: message).
+        window: deque[tuple[object, torch.Tensor, bool, _Message]] = deque()
         posted = [0]
         try:
             while True:
                 with self._cond:
                     while not self._batches and not pending and not window:
                         self._check_stopped()
-                        if not self._cond.wait(self.IDLE_RELEASE_S):
-                            self._ring.release()
+                        self._idle_wait()
                     self._check_stopped()
                     begins = list(self._batches)
                     self._batches.clear()
@@ -146,10 +106,15 @@ class ReceiveLane(Lane):
         except Exception as e:
             reason = str(e)
             self._broke(reason)
-            self._settle(work for work, _, _ in window)  # staging is reused only after
+            self._settle(entry[0] for entry in window)  # memory is reused only after
+            for _, _, direct, (part, *_) in window:
+                if direct:
+                    assert part.target is not None
+                    with part.target.lock:
+                        part.target.posted -= 1
             error = e if isinstance(e, LaneError) else LaneError(reason)
             ended: set[int] = set()
-            for part in [m[0] for m in pending] + [w[2][0] for w in window]:
+            for part in [m[0] for m in pending] + [w[3][0] for w in window]:
                 if part.target is not None and id(part) not in ended:
                     ended.add(id(part))
                     self._on_received(part.target, part.num_bytes, error)
@@ -178,33 +143,60 @@ class ReceiveLane(Lane):
     def _post(self, pending: deque[_Message], window: deque, posted: list[int]) -> None:
         while pending:
             message = pending[0]
-            _, blocks, _, start, end, tag, _ = message
-            shape = (end - start, *blocks.cache.shape[2:])
-            size = shape[0] * blocks.cache[0, 0].numel() * blocks.cache.element_size()
+            part, blocks, kv, start, end, tag, _ = message
+            size = blocks.num_bytes(start, end)
             if window and posted[0] + size > self._in_flight_bytes:
                 return
             self._check_stopped()
-            staging = self._ring.take(size)
-            if staging is None:
-                return
-            view = staging.view(blocks.cache.dtype).view(shape)
+            into = self._into_blocks(part.target, blocks, kv, start, end)
+            direct = into is not None
+            if into is None:  # staged, scattered once it has arrived
+                staging = self._ring.take(size)
+                if staging is None:
+                    return
+                into = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
             assert self._pg is not None
-            work = self._pg.recv([view], self._peer_rank, tag)
+            work = self._pg.recv([into], self._peer_rank, tag)
             pending.popleft()
-            window.append((work, view, message))
+            window.append((work, into, direct, message))
             posted[0] += size
 
+    @staticmethod
+    def _into_blocks(target: Target | None, blocks: LayerBlocks, kv: int, start: int, end: int):
+        """The message's blocks themselves when D's ids for it are consecutive and the load
+        is still wanted (counted in ``posted``: its end is reported once none is left)."""
+        if target is None:
+            return None
+        run = blocks.run(kv, start, end)
+        if run is None:
+            return None
+        with target.lock:
+            if target.cancelled:
+                return None
+            target.posted += 1
+        return run
+
     def _complete_oldest(self, window: deque, posted: list[int]) -> None:
-        work, view, (part, blocks, kv, start, end, _, last) = window[0]
+        work, into, direct, (part, blocks, kv, start, end, _, last) = window[0]
         self._wait(work)
         window.popleft()
-        size = nbytes(view)
+        size = nbytes(into)
         posted[0] -= size
-        if part.target is not None:
-            with part.target.lock:
-                if not part.target.cancelled:
-                    blocks.scatter(kv, start, end, view)
+        target = part.target
+        if direct:
+            assert target is not None
+            with target.lock:
+                target.posted -= 1
+                released = target.cancelled and target.posted == 0
+            if released:  # cancelled meanwhile: its end can be reported now
+                self._on_received(target, part.num_bytes, LaneError("cancelled"))
+        else:
+            if target is not None:
+                with target.lock:
+                    if not target.cancelled:
+                        blocks.scatter(kv, start, end, into)
+            self._ring.give_back()
+        if target is not None:
             part.num_bytes += size
             if last:
-                self._on_received(part.target, part.num_bytes, None)
-        self._ring.give_back()
+                self._on_received(target, part.num_bytes, None)

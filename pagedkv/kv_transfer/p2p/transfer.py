@@ -6,12 +6,9 @@ every segment of every layer travels as two messages, its K half and its V half:
 
     layer 0: seg 0 K, seg 0 V, seg 1 K, seg 1 V, ...   layer 1: ...
 
-P packs a message with ``index_select`` of its block ids, or, when its ids for the message are
-consecutive and the blocks stay put until the send completes, sends the cache slice itself
-(zero copy). D receives every message into a staging buffer of its receive lane and scatters
-it into its blocks (``index_copy_``, or ``copy_`` when its ids for the message are
-consecutive): nothing is ever received straight into the paged cache, so a load cancelled
-mid-transfer stops being written at once (lanes.py).
+Either side moves a message as a slice of its cache when its block ids for the message are
+consecutive (zero copy: P sends from it, D receives into it), else through a reused staging
+ring (P packs with ``index_select``, D scatters with ``index_copy_``); lanes.py.
 """
 
 from __future__ import annotations
@@ -85,22 +82,30 @@ class LayerBlocks:
             yield 1, start, start + n
             start += n
 
-    def pack(self, kv: int, start: int, end: int, copy: bool) -> torch.Tensor:
-        """Message ``(kv, start, end)``: ``[n, block_size, heads, head_size]``, contiguous.
-        ``copy=False`` may return a view of the cache (only while the blocks stay put)."""
-        half = self.cache[kv]
+    def shape(self, start: int, end: int) -> tuple[int, ...]:
+        """Message ``(kv, start, end)``'s shape: ``[n, block_size, heads, head_size]``."""
+        return (end - start, *self.cache.shape[2:])
+
+    def num_bytes(self, start: int, end: int) -> int:
+        return (end - start) * self.cache[0, 0].numel() * self.cache.element_size()
+
+    def run(self, kv: int, start: int, end: int) -> torch.Tensor | None:
+        """The message's blocks as a slice of the cache when this side's ids for it are
+        consecutive (zero copy), else None."""
         first = consecutive_start(self.block_ids[start:end])
-        if first is not None:
-            view = half[first : first + end - start]
-            return view.clone() if copy else view
-        return _as_words(half).index_select(0, self.block_ids[start:end]).view(half.dtype)
+        return None if first is None else self.cache[kv, first : first + end - start]
+
+    def gather(self, kv: int, start: int, end: int, out: torch.Tensor) -> None:
+        """Pack message ``(kv, start, end)`` into ``out`` (index_select by block id)."""
+        torch.index_select(
+            _as_words(self.cache[kv]), 0, self.block_ids[start:end], out=_as_words(out)
+        )
 
     def scatter(self, kv: int, start: int, end: int, message: torch.Tensor) -> None:
-        """Write a received message into its blocks (the inverse of ``pack``)."""
-        half = self.cache[kv]
-        ids = self.block_ids[start:end]
-        first = consecutive_start(ids)
-        if first is not None:
-            half[first : first + end - start].copy_(message)
+        """Write a received message into its blocks (the inverse of ``gather``)."""
+        view = self.run(kv, start, end)
+        if view is not None:
+            view.copy_(message)
         else:
-            _as_words(half).index_copy_(0, ids, _as_words(message))
+            ids = self.block_ids[start:end]
+            _as_words(self.cache[kv]).index_copy_(0, ids, _as_words(message))

@@ -77,8 +77,9 @@ class Outbound:
 @dataclass(eq=False)
 class Inbound:
     """D's side of one load. ``lock`` orders writes into the paged cache against cancellation:
-    the receive lane scatters into the blocks only under it and only while ``cancelled`` is
-    unset (it receives into staging), so a load may be reported ended as soon as it is set."""
+    once ``cancelled`` is set under it the receive lane posts nothing more into the blocks and
+    scatters nothing more; the load is reported ended once ``posted`` (receives posted
+    straight into its blocks, still in flight) is back to 0 (``failure`` waits till then)."""
 
     spec: LoadSpec
     group: str = ""
@@ -86,7 +87,9 @@ class Inbound:
     segments: list[list[int]] = field(default_factory=list)
     state: TransferState = TransferState.PENDING
     cancelled: bool = False
+    posted: int = 0
     reported: bool = False
+    failure: str | None = None
     #: When the load started (monotonic): its deadline counts from then.
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
