@@ -123,6 +123,7 @@ def _peer(role: str, conn, args: dict) -> None:
         def __init__(self, cancelled: bool) -> None:
             self.lock = threading.Lock()
             self.cancelled = cancelled
+            self.posted = 0
 
     torch.set_num_threads(args["threads"])
     me = PeerAddr(role, "127.0.0.1", args[f"{role}_port"])
