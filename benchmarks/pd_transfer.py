@@ -240,6 +240,7 @@ def _peer(role: str, conn, args: dict) -> None:
         conn.send(json.dumps({"t0": t0, "t1": t1, "check": check}))
     if lane is not None:
         lane.stop("done")
+        lane.join(10)  # the process group goes with its thread, before the interpreter
     if peer_sock is not None:
         peer_sock.close()
     groups.close()

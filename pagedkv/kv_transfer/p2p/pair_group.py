@@ -77,6 +77,7 @@ class PairGroup:
         self._lock = threading.Lock()
         #: XFER_BEGINs that came before the lanes (the peer's side was ready first).
         self._early: list[XferBegin] | None = []
+        self._stopped_lanes: list[SendLane | ReceiveLane] = []
 
     @property
     def peer_rank(self) -> int:
@@ -125,9 +126,16 @@ class PairGroup:
             self.send_lane = self.receive_lane = None
         self.store.abort(reason)
         self.pg = None
+        self._stopped_lanes = [lane for lane in (send_lane, receive_lane) if lane is not None]
         if receive_lane is not None:
             receive_lane.stop(reason)
         return send_lane.stop(reason) if send_lane is not None else []
+
+    def join(self, timeout_s: float) -> bool:
+        """After ``close``: wait for the lanes' threads to end (they hold the process group,
+        which must go before the interpreter does). False if one is still in a gloo wait."""
+        deadline = time.monotonic() + timeout_s
+        return all(lane.join(max(0.0, deadline - time.monotonic())) for lane in self._stopped_lanes)
 
 
 class PairGroups:

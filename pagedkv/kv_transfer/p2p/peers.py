@@ -295,9 +295,14 @@ class Peers:
         self.control.close_retired(now)
 
     def close(self) -> None:
-        """Say goodbye to every peer and stop (queued goodbyes get a second to leave)."""
-        self.groups.close("shutting down")
+        """Say goodbye to every peer and stop (queued goodbyes get a second to leave); the
+        lanes' threads get a few seconds to let go of their process groups."""
+        groups = self.groups.close("shutting down")
         self.control.close(linger_s=1.0)
+        deadline = time.monotonic() + 5.0
+        for group in groups:
+            if not group.join(max(0.0, deadline - time.monotonic())):
+                logger.warning("a lane with %s is still in a gloo wait at shutdown", group.peer)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
