@@ -23,7 +23,7 @@ from pagedkv.kv_transfer.p2p.protocol import (
     PeerAddr,
     Want,
 )
-from tests.entrypoints.conftest import MODEL_NAME
+from tests.entrypoints.conftest import MODEL_NAME, idle_connection_survives
 from tests.kv_transfer.conftest import (
     MAX_TOKENS,
     SECRET,
@@ -197,3 +197,8 @@ def test_dead_instances_are_retried_around_and_drop_out(xpyd, reference_text) ->
     assert {i["engine_id"] for i in live["prefill"] + live["decode"]} == {"P-put", "P-async", "D-0"}
     assert "retrying elsewhere" in xpyd.proxy.log_path.read_text()
     wait_all_blocks_free({n: servers[n] for n in ("P-put", "P-async", "D-0")})
+
+
+def test_the_proxy_keeps_an_idle_connection_longer_than_its_clients_do(xpyd) -> None:
+    """As for ``pagedkv serve`` (test_openai_server.py): no keep-alive race with clients."""
+    assert idle_connection_survives(xpyd.proxy.base_url, idle_s=6.0)

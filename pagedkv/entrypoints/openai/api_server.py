@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
 from pagedkv.entrypoints.openai.errors import OpenAIError
@@ -145,7 +146,13 @@ def run_server(args: argparse.Namespace) -> None:
     )
     logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     finally:
         if registration is not None:
             registration.close()

@@ -39,6 +39,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
@@ -431,4 +432,10 @@ def run_proxy(args) -> None:
         args.registry_port,
         args.routing,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
