@@ -4,11 +4,12 @@ ReceiveLane in receive_lane.py).
 P's ``SendLane`` sends the transfers queued for one D one after another, in the order P
 queued them: it takes what is queued (up to ``MAX_PARTS`` transfers) as one wire batch,
 announces it (XFER_BEGIN over the control plane, whose connection keeps its order), then
-sends the batch layer-major through gloo with at most ``in_flight_bytes`` outstanding, the
-next batch following on without a gap. D's ``ReceiveLane`` receives the batches in the order
-their XFER_BEGINs arrived, with at most ``in_flight_bytes`` of receives posted into a reused
-staging ring, and scatters each message into its load's blocks unless the load was cancelled
-meanwhile (then the rest drains into staging: the lane stays in step with P).
+sends the batch layer-major through gloo with at most ``in_flight_bytes`` outstanding (a
+message is a slice of the cache, or packed into a reused staging ring while the previous ones
+are on the wire), the next batch following on without a gap. D's ``ReceiveLane`` receives the
+batches in the order their XFER_BEGINs arrived, with at most ``in_flight_bytes`` of receives
+posted, straight into runs of its blocks or into its staging ring and scattered, unless the
+load was cancelled meanwhile (then the rest drains into staging: the lane stays in step).
 
 Why (issue 12): a gloo send moves only once the receiver has posted a matching receive, and
 a wait that times out closes the whole pair. With PUT sends on P's engine thread and a shared
