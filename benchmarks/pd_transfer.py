@@ -3,10 +3,12 @@
 
 (a) bandwidth: the KV of one prompt (32 layers, 8 KV heads, head size 128, fp16 = 128 KiB per
     token, blocks of 16 tokens scattered over the cache) moved from a P process to a D process
-    through the P2P connector's data path (pair group set up over our control plane, blocks
-    gathered by index_select, chunked and pipelined over gloo, scattered with index_copy_),
-    then the same bytes between the same two processes over a raw loopback TCP socket
-    (sendall / recv_into, no packing). GB/s of both and their ratio.
+    through the P2P connector's data path: the pair group's lanes (set up over our control
+    plane; P's send lane packs blocks by index_select while the previous message is on the
+    wire, D's receive lane receives into a reused staging ring and scatters each message into
+    the paged cache with index_copy_ while the next ones arrive), then the same bytes between
+    the same two processes over a raw loopback TCP socket (sendall / recv_into, no packing).
+    GB/s of both and their ratio.
 (b) ttft: a small random Llama (the hf_peer anchor's: 19M parameters, 4 layers) behind
     ``pagedkv proxy`` in 1P1D (PUT_ASYNC) against one plain ``pagedkv serve``; ~2k-token
     prompts, each distinct (no prefix reuse), max_tokens=1 so a request's latency is its TTFT.
@@ -90,7 +92,7 @@ PLACEMENTS = ("random", "runs", "contiguous")
 def block_ids(num_cache_blocks: int, n: int, placement: str, gen: torch.Generator) -> torch.Tensor:
     """``n`` block ids in [1, num_cache_blocks), a different draw on each side:
     "random"      every block anywhere (worst case: every message packed and scattered)
-    "runs"        runs of RUN_BLOCKS anywhere (messages of one run: too small to go direct)
+    "runs"        runs of RUN_BLOCKS anywhere (a message spans several runs)
     "contiguous"  one range at a random offset (a fresh pool: D receives in place)"""
     if placement == "random":
         return torch.randperm(num_cache_blocks - 1, generator=gen)[:n] + 1
@@ -103,27 +105,31 @@ def block_ids(num_cache_blocks: int, n: int, placement: str, gen: torch.Generato
 
 def _peer(role: str, conn, args: dict) -> None:
     """One side of the bandwidth test (a spawned process). Commands arrive as JSON."""
-    from pagedkv.kv_transfer.p2p.config import P2pConfig
     from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
+    from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
     from pagedkv.kv_transfer.p2p.pair_group import PairGroups
-    from pagedkv.kv_transfer.p2p.protocol import Codec, Hello, PeerAddr, StoreSet
+    from pagedkv.kv_transfer.p2p.protocol import Codec, Hello, PeerAddr, StoreSet, XferBegin
+    from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
+    from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
+    from pagedkv.kv_transfer.p2p.send_pool import SendPool
     from pagedkv.kv_transfer.p2p.transfer import (
-        BlockSender,
         LayerBlocks,
         block_bytes,
         chunk_blocks_for,
         plan_segments,
-        receive_layers,
-        runs,
     )
 
-    class Guard:  # nothing cancels a benchmark transfer; "drain" receives into staging only
+    class Load:  # a receive target, as D's load records are; cancelled: received, not stored
         def __init__(self, cancelled: bool) -> None:
             self.lock = threading.Lock()
             self.cancelled = cancelled
+            self.posted = 0
 
     torch.set_num_threads(args["threads"])
     me = PeerAddr(role, "127.0.0.1", args[f"{role}_port"])
+    other = PeerAddr(
+        "D" if role == "P" else "P", "127.0.0.1", args["D_port" if role == "P" else "P_port"]
+    )
     holder: dict = {}
     plane = ControlPlane(
         Codec("bench", None, 1 << 20),
@@ -131,6 +137,7 @@ def _peer(role: str, conn, args: dict) -> None:
         {
             Hello: lambda peer, m: holder["groups"].on_hello(peer, m),
             StoreSet: lambda peer, m: holder["groups"].on_store_set(peer, m),
+            XferBegin: lambda peer, m: holder["lane"].submit(m),
         },
         name=role,
     )
@@ -138,13 +145,17 @@ def _peer(role: str, conn, args: dict) -> None:
     plane.start()
     num_blocks = args["max_blocks"] + 1
     caches = _layer_caches(num_blocks, fill=role == "P")
+    ctx = SendContext(caches, [0] * NUM_LAYERS, BLOCK_SIZE, SendPool(0), 60)
     chunk_blocks = chunk_blocks_for(block_bytes(caches[0]), args["chunk_bytes"])
     tcp = socket.socket()
     if role == "D":
         tcp.bind(("127.0.0.1", args["tcp_port"]))
         tcp.listen(1)
     conn.send(json.dumps({"ready": True}))
-    peer_sock = None
+    peer_sock = lane = None
+    #: D: the transfer being received -> (target, layers, set when received), or None: drain.
+    current: dict = {}
+    received = threading.Event()
     while True:
         command = json.loads(conn.recv())
         op = command["op"]
@@ -152,16 +163,33 @@ def _peer(role: str, conn, args: dict) -> None:
             break
         if op == "connect":  # D initiates the pair group, as on a first WANT
             if role == "D":
-                groups.ensure(PeerAddr("P", "127.0.0.1", args["P_port"])).wait(30)
+                group = groups.ensure(other)
+                group.ready.wait(30)
                 peer_sock, _ = tcp.accept()
+                lane = holder["lane"] = ReceiveLane(
+                    group.pg, group.peer_rank,
+                    lambda tid, segments: current.get("target"),
+                    lambda segments: current["drain"],
+                    lambda target, n, error: received.set(),
+                    lambda reason: print("D lane broken:", reason), args["in_flight_bytes"], 60,
+                    "bench-recv",
+                )  # fmt: skip
             else:
                 deadline = time.monotonic() + 30
                 while groups.get("D") is None or groups.get("D").pg is None:
                     if time.monotonic() > deadline:
                         raise TimeoutError("pair group")
                     time.sleep(0.01)
+                group = groups.get("D")
                 tcp.connect(("127.0.0.1", args["tcp_port"]))
                 peer_sock = tcp
+                lane = SendLane(
+                    group.pg, group.peer_rank, group.name, NUM_LAYERS,
+                    lambda begin: plane.send(other, begin), lambda job: None,
+                    lambda reason: print("P lane broken:", reason), args["in_flight_bytes"], 60,
+                    "bench-send",
+                )  # fmt: skip
+            lane.start()
             peer_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.send(json.dumps({"ok": True}))
             continue
@@ -170,35 +198,27 @@ def _peer(role: str, conn, args: dict) -> None:
         gen = torch.Generator().manual_seed(command["seed"])
         n = command["num_blocks"]
         src_ids, dst_ids = (block_ids(num_blocks, n, args["placement"], gen) for _ in "PD")
-        ids = src_ids if role == "P" else dst_ids
-        # D's plan, as in P2pConnectorWorker._plan: direct into runs of its blocks when long
-        # enough, else staged and scattered.
-        dst_list = dst_ids.tolist()
-        mean_run = len(dst_list) / len(runs(dst_list))
-        half_block = block_bytes(caches[0]) // 2
-        direct = min(mean_run, chunk_blocks) * half_block >= P2pConfig.direct_min_bytes
-        segments = plan_segments(dst_list, chunk_blocks, direct)
-        layers = [LayerBlocks(cache, ids, segments) for cache in caches]
-        group = groups.get("P" if role == "D" else "D")
+        segments = [plan_segments(n, chunk_blocks)]  # D's plan, as in a WANT
+        if role == "D":  # "gloo": the same messages into staging only (no scatter)
+            layers = [LayerBlocks(cache, dst_ids, segments[0]) for cache in caches]
+            current["target"] = (Load(cancelled=op == "gloo"), layers)
+            current["drain"] = layers
+            received.clear()
         conn.send(json.dumps({"armed": True}))
         json.loads(conn.recv())  # "go"
         t0 = time.monotonic()
         if op in ("connector", "gloo") and role == "P":
-            sender = BlockSender(group.pg, group.peer_rank, 7, args["in_flight_bytes"], 60)
             if op == "connector":
-                for layer in layers:
-                    sender.send_layer(layer)
-            else:  # the same messages from one ready buffer: no packing
-                ready = caches[0][0, : max(segments)].clone()
-                for layer in layers:
-                    for _, start, end in layer.messages():
-                        sender.send(ready[: end - start])
-            sender.finish()
-        elif op in ("connector", "gloo"):  # "gloo": into staging, no scatter
-            guard = Guard(cancelled=op == "gloo")
-            receive_layers(
-                group.pg, group.peer_rank, 7, layers, direct, args["in_flight_bytes"], 60, guard
-            )
+                source = HeldSource(caches, ctx, [src_ids], segments)
+            else:  # the same messages from one ready run of blocks: no packing
+                source = HeldSource(caches, ctx, [torch.arange(1, n + 1)], segments)
+            job = Job(f"t{command['seed']}", segments, source, 0)
+            lane.submit([job])
+            job.ended.wait(300)
+            if job.error is not None:
+                raise job.error
+        elif op in ("connector", "gloo"):
+            received.wait(300)
         elif op == "tcp" and role == "P":
             for cache in caches:
                 for kv in (0, 1):
@@ -217,7 +237,10 @@ def _peer(role: str, conn, args: dict) -> None:
             layer = NUM_LAYERS - 1
             expected = ((src_ids + layer) % 1024).to(DTYPE)
             check = bool(torch.equal(caches[layer][1, dst_ids, -1, -1, -1], expected))
-        conn.send(json.dumps({"t0": t0, "t1": t1, "check": check, "direct": direct}))
+        conn.send(json.dumps({"t0": t0, "t1": t1, "check": check}))
+    if lane is not None:
+        lane.stop("done")
+        lane.join(10)  # the process group goes with its thread, before the interpreter
     if peer_sock is not None:
         peer_sock.close()
     groups.close()
@@ -281,9 +304,8 @@ def run_bandwidth(
                         times[op].append(d["t1"] - min(d["t0"], p["t0"]))
             gbps = {op: total_bytes / statistics.median(t) / 1e9 for op, t in times.items()}
             rows.append((n_tokens, total_bytes, gbps["connector"], gbps["tcp"]))
-            mode = "direct" if d["direct"] else "staged"
             print(
-                f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector ({mode}) "
+                f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector "
                 f"{gbps['connector']:5.2f} GB/s   raw TCP {gbps['tcp']:5.2f} GB/s   "
                 f"ratio {gbps['connector'] / gbps['tcp']:4.2f}   (gloo alone, no pack/scatter: "
                 f"{gbps['gloo']:5.2f} GB/s)",

@@ -76,6 +76,8 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step loop (abort, stop string): free their blocks now

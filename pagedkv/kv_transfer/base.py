@@ -52,6 +52,10 @@ class KVConnectorBase(ABC):
     def load_failure_policy(self) -> str:
         return self.config.kv_load_failure_policy or self.default_load_failure_policy
 
+    def on_new_request(self, request: Request) -> None:
+        """A request arrived (before any admission attempt)."""
+        return None
+
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -174,3 +175,19 @@ def serve(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Serv
             process.kill()
             process.wait()
         log.close()
+
+
+def idle_connection_survives(base_url: str, idle_s: float) -> bool:
+    """Whether an HTTP/1.1 connection to ``base_url`` still answers after ``idle_s`` of
+    silence (a raw socket: no client-side pool expiry of its own)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(request)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(idle_s)
+        try:
+            conn.sendall(request)
+            return conn.recv(65536).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False

@@ -5,7 +5,7 @@ The child steps its engine on a thread whenever it has work; the parent sends JS
 (no pickle on the pipe either). Every wait has a timeout; ``close`` always reaps the child.
 
 Test hooks (``hook=``), applied inside the child only:
-  "die_mid_transfer"  P SIGKILLs itself right after its first KV message went out
+  "die_mid_transfer"  P SIGKILLs itself right after D received its first KV message
   "die_after_want"    D exits 0.3 s after it sent its first WANT
   control-plane faults, comma-separated, on the messages this engine sends:
   "drop:<kind>@<n>"       the n-th message of that kind (1-based) is never sent
@@ -77,27 +77,31 @@ def _fault_control_plane(spec: str) -> None:
 
 
 def _apply_hook(hook: str) -> None:
-    from pagedkv.kv_transfer.p2p import transfer, worker
+    from pagedkv.kv_transfer.p2p import inbound, lanes
 
     if hook.startswith(("drop:", "delay:")):
         _fault_control_plane(hook)
-    elif hook == "die_mid_transfer":
-        original_send = transfer.BlockSender.send
+    elif hook == "die_mid_transfer":  # one message in flight at a time: the rest never leave
+        original_init, original_complete = lanes.SendLane.__init__, lanes.SendLane._complete_oldest
 
-        def send_then_die(self, message):
-            original_send(self, message)
-            self._wait_oldest()
+        def one_in_flight(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            self._in_flight_bytes = 1
+
+        def complete_then_die(self, window, state):
+            original_complete(self, window, state)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        transfer.BlockSender.send = send_then_die
+        lanes.SendLane.__init__ = one_in_flight
+        lanes.SendLane._complete_oldest = complete_then_die
     elif hook == "die_after_want":
-        original_load = worker.P2pConnectorWorker._start_load
+        original_load = inbound.InboundTransfers.on_load
 
         def load_then_die(self, spec):
             original_load(self, spec)
             threading.Timer(0.3, os._exit, args=(0,)).start()
 
-        worker.P2pConnectorWorker._start_load = load_then_die
+        inbound.InboundTransfers.on_load = load_then_die
     else:
         raise ValueError(f"unknown hook {hook!r}")
 

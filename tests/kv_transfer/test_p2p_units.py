@@ -1,49 +1,32 @@
 """The P2P connector's pieces in one process: wire format, control plane, leases, send pool,
-rendezvous store, pair groups and the chunked data path."""
+rendezvous store, pair groups, config. (The data path: test_p2p_lanes.py; the owners:
+test_p2p_owners.py.)"""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
-import torch
-import torch.distributed as dist
 import zmq
 
-from pagedkv.kv_transfer.p2p import worker as p2p_worker
-from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
 from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
-from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
+from pagedkv.kv_transfer.p2p.pair_group import PairGroups
 from pagedkv.kv_transfer.p2p.protocol import (
     PROTOCOL_VERSION,
-    Cancel,
     Codec,
-    Done,
     Envelope,
     Heartbeat,
     Hello,
-    Nack,
     PeerAddr,
     ProtocolError,
     StoreSet,
     Want,
-    XferBegin,
 )
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.store import PairStore
-from pagedkv.kv_transfer.p2p.transfer import (
-    BlockSender,
-    LayerBlocks,
-    plan_segments,
-    receive_layers,
-    runs,
-)
-from pagedkv.kv_transfer.p2p.transfer_state import Inbound, Outbound, TransferState
 from tests.ports import free_port
 
 SECRET = b"unit-secret"
@@ -198,7 +181,7 @@ def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> N
         for i in range(3 * MAX_PENDING_SETUPS):
             dealer.send_multipart(codec().encode(Hello(f"g{i}"), PeerAddr(f"h{i}", "h", 1)))
         wait_until(lambda: plane.num_evicted_peers >= 600 - 16)
-        assert len(plane._dealers) <= 16
+        assert plane.num_peers <= 16
         assert groups[0].num_pending <= MAX_PENDING_SETUPS
         # ~4 descriptors per pending setup; closed DEALERs let theirs go after their linger.
         wait_until(lambda: len(os.listdir("/proc/self/fd")) - fds_before < 200)
@@ -218,6 +201,31 @@ def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> N
         ctx.term()
         groups[0].close()
         plane.close()
+
+
+def test_a_forgotten_peer_still_gets_what_was_queued_and_costs_no_new_socket() -> None:
+    """A peer that went away keeps its DEALER for a while: a message queued to it before (a
+    CANCEL to a P that was only hung) reaches it when it comes back, a late message reuses
+    that DEALER instead of opening another, and it is closed when its time is up."""
+    heard: list = []
+    address = PeerAddr("hung", "127.0.0.1", free_port())
+    sender = ControlPlane(codec(), PeerAddr("me", "127.0.0.1", free_port()), {})
+    try:
+        sender.send(address, Heartbeat(["queued before"]))  # nobody listens yet
+        sender.forget(address, keep_s=30, now=0.0)
+        sender.send(address, Heartbeat(["late"]))
+        assert sender.num_peers == 1
+        plane = ControlPlane(codec(), address, {Heartbeat: lambda _, m: heard.append(m)})
+        plane.start()  # the peer resumes
+        wait_until(lambda: len(heard) == 2)
+        assert [m.transfer_ids for m in heard] == [["queued before"], ["late"]]
+        sender.close_retired(now=29.0)
+        assert sender.num_peers == 1
+        sender.close_retired(now=31.0)
+        assert sender.num_peers == 0
+        plane.close()
+    finally:
+        sender.close()
 
 
 def wait_until(condition, timeout_s: float = 10) -> None:
@@ -289,72 +297,6 @@ def _two_instances():
     return planes, groups
 
 
-class Guard:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.cancelled = False
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
-def test_a_pair_group_moves_blocks_in_planned_messages(direct: bool) -> None:
-    planes, groups = _two_instances()
-    a, b = groups["engine-a"], groups["engine-b"]
-    try:
-        group_a = a.ensure(planes[1].address)
-        pg_a = group_a.wait(10)
-        group_b = b.get("engine-a")
-        assert group_b is not None and group_b.name == group_a.name
-        pg_b = group_b.wait(10)
-        assert (group_a.rank, group_b.rank) == (0, 1)  # rank 0: the smaller engine id
-        assert not dist.is_initialized()  # no global world
-
-        torch.manual_seed(0)
-        src = [torch.randn(2, 16, 4, 2, 8).half() for _ in range(3)]  # 3 layers, 16 blocks
-        dst = [torch.zeros_like(c) for c in src]
-        src_ids = [3, 7, 1, 9, 4, 5, 6]  # P: scattered, then a run (5, 6)
-        dst_ids = [2, 3, 4, 10, 11, 12, 13] if direct else [13, 2, 8, 5, 11, 1, 14]
-        segments = plan_segments(dst_ids, chunk_blocks=2, direct=direct)
-        assert segments == ([2, 1, 2, 2] if direct else [2, 2, 2, 1])
-        src_t, dst_t = torch.tensor(src_ids), torch.tensor(dst_ids)
-        result = {}
-        receiver = threading.Thread(
-            target=lambda: result.update(
-                n=receive_layers(
-                    pg_b, 0, 5, [LayerBlocks(c, dst_t, segments) for c in dst], direct, 2048, 10,
-                    Guard(), deadline=time.monotonic() + 10,
-                )
-            )
-        )  # fmt: skip
-        receiver.start()
-        sender = BlockSender(pg_a, 1, 5, in_flight_bytes=2048, timeout_s=10)
-        for cache in src:
-            sender.send_layer(LayerBlocks(cache, src_t, segments))
-        sender.finish()
-        receiver.join(10)
-        for s, d in zip(src, dst):
-            assert torch.equal(d[:, dst_t], s[:, src_t])
-            untouched = [i for i in range(16) if i not in dst_ids]
-            assert not d[:, untouched].any()
-        assert result["n"] == sender.num_bytes == 3 * 7 * src[0][:, 0].numel() * 2
-    finally:
-        for g in groups.values():
-            g.close()
-        for plane in planes:
-            plane.close()
-
-
-def test_runs_and_segments() -> None:
-    assert runs([4, 5, 6, 9, 2, 3]) == [3, 1, 2] and runs([]) == []
-    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=2, direct=True) == [2, 1, 1, 2]
-    assert plan_segments([4, 5, 6, 9, 2, 3], chunk_blocks=4, direct=False) == [4, 2]
-    layer = LayerBlocks(torch.arange(2 * 8.0).view(2, 8, 1, 1, 1), torch.tensor([2, 3, 6]), [2, 1])
-    assert list(layer.messages()) == [(0, 0, 2), (1, 0, 2), (0, 2, 3), (1, 2, 3)]
-    assert layer.run_start(0, 2) == 2 and layer.run_start(1, 3) is None
-    view = layer.pack(1, 0, 2, copy=False)  # a run: the cache itself, no copy
-    assert view.data_ptr() == layer.cache[1, 2].data_ptr() and view.flatten().tolist() == [10, 11]
-    assert layer.pack(0, 1, 3, copy=False).flatten().tolist() == [3.0, 6.0]
-
-
 def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() -> None:
     planes, groups = _two_instances()
     try:
@@ -411,141 +353,3 @@ def test_listening_beyond_loopback_without_a_secret_is_warned_about(caplog) -> N
     assert not caplog.records
     warn_if_open(log, "the plane", "0.0.0.0", None)
     assert "without a shared secret" in caplog.text
-
-
-# ---------------------------------------------------------------------------- the worker
-def p2p_worker_for(role: str, send_type: str = "PUT_ASYNC") -> p2p_worker.P2pConnectorWorker:
-    """A real connector worker on loopback: one layer, one KV cache group of 16 blocks of 4."""
-    from pagedkv.kv_cache.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
-    from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec
-    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-
-    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="float32")
-    config = KVTransferConfig(
-        "P2pConnector", role, kv_port=free_port(),
-        kv_connector_extra_config={"send_type": send_type, "shared_secret": SECRET.decode()},
-    )  # fmt: skip
-    kv_cache_config = KVCacheConfig(16, (KVCacheGroupSpec(("layers.0",), spec),))
-    worker = p2p_worker.P2pConnectorWorker(config, kv_cache_config, "fp")
-    worker.register_kv_caches([torch.randn(2, 16, 4, 2, 8)], [0])
-    return worker
-
-
-@pytest.mark.parametrize("end", ["cancel", "lease_expiry"])
-def test_a_get_transfer_ended_while_p_copies_it_to_the_pool_frees_its_blocks(end) -> None:
-    """GET: P copies a finished request's blocks into the pool on the engine thread, outside
-    the lock (reserve, gather, fill). D's CANCEL (listener) or the lease expiring (maintenance)
-    in between pops the reserved entry: fill once raised KeyError out of start_load_kv."""
-    p = p2p_worker_for("kv_producer", send_type="GET")
-
-    class EndedWhileCopying(SendPool):
-        def reserve(self, key: str, num_bytes: int) -> bool:
-            reserved = super().reserve(key, num_bytes)
-            if end == "cancel":
-                p._on_cancel(PeerAddr("D", "127.0.0.1", 1), Cancel(key, "client gone"))
-            else:
-                with p._lock:
-                    p._expire_leases(time.monotonic() + 2 * p._leases.lease_s)
-            return reserved
-
-    try:
-        pool = p._pool = EndedWhileCopying(capacity_bytes=1 << 20)
-        hold = SendSpec("r1", "t1", 10, "h", ([3, 5, 7],), None)
-        p.bind_connector_metadata(P2pConnectorMetadata(holds=[hold]))
-        p.start_load_kv()
-        assert p.get_finished().finished_sending == {"r1"}  # its blocks, freed once
-        assert pool.get("t1") is None and pool.used_bytes == 0 and not p._outbound
-        assert "t1" in p._ended
-    finally:
-        p.shutdown()
-
-
-@pytest.fixture
-def peer() -> Iterator[tuple[PeerAddr, queue.Queue]]:
-    """A bare control plane as the other side: (its address, the DONEs and NACKs it hears)."""
-    heard: queue.Queue = queue.Queue()
-    address = PeerAddr("peer", "127.0.0.1", free_port())
-    plane = ControlPlane(codec(), address, {Done: lambda _, m: heard.put(m),
-                                             Nack: lambda _, m: heard.put(m)})  # fmt: skip
-    plane.start()
-    yield address, heard
-    plane.close()
-
-
-def test_an_error_before_a_receive_starts_still_ends_the_load(peer) -> None:
-    """_receive runs on a pool whose Future swallows exceptions: one raised while it set up
-    (before its try) once left the load RECEIVING for good, so its cancel was a no-op and D's
-    request waited for its deadline. Now the load fails, is reported once, and P hears DONE."""
-    address, heard = peer
-    d = p2p_worker_for("kv_consumer")
-    try:
-        spec = LoadSpec("r1", "t1", address, None, 12, "h", ([0, 5, 6],), [[1, 2]])
-        rec = Inbound(spec)  # never planned (no segments): building the receive raises
-        with d._lock:
-            d._inbound["r1"] = d._inbound_by_tid["t1"] = rec
-        d._on_xfer_begin(address, XferBegin("t1", "g", 1))
-        wait_until(lambda: rec.state.is_terminal)
-        assert rec.state is TransferState.FAILED
-        finished = d.get_finished()  # reported under the lock that ended it
-        assert finished.finished_recving == {"r1"} and finished.invalid_block_ids == {5, 6}
-        done = heard.get(timeout=5)
-        assert isinstance(done, Done) and done.transfer_id == "t1" and not done.ok
-    finally:
-        d.shutdown()
-
-
-def test_an_error_before_a_stream_send_starts_still_ends_the_send(peer) -> None:
-    """_send_stream (PUT_ASYNC) runs on a pool whose Future swallows exceptions: its sender was
-    built before its try, so an error there left the send SENDING for good. Now it fails, and
-    D hears a NACK (group lost)."""
-    address, heard = peer
-    p = p2p_worker_for("kv_producer")
-    try:
-        want = Want("t1", "g", 8, "h", [[0, 1]], [[2]])
-        rec = Outbound("t1", TransferState.SENDING, want, address)
-        never_set_up = PairGroup(address, "g", 0, PairStore(lambda k, v: None, 1))  # no gloo
-        with p._lock:
-            p._outbound["t1"] = rec
-        p._senders.submit(p._send_stream, p2p_worker._Stream(rec, never_set_up, 1, [])).result(5)
-        assert rec.state is TransferState.FAILED and "t1" not in p._outbound
-        nack = heard.get(timeout=5)
-        assert isinstance(nack, Nack) and nack.transfer_id == "t1" and nack.group_lost
-    finally:
-        p.shutdown()
-
-
-def test_wants_before_p_has_the_kv_cost_bounded_records(monkeypatch) -> None:
-    """A WANT that comes before P's request reaches its KV is kept in a record for a lease.
-    Such records are capped (NACKed past the cap), and a WANT too big for any prompt is
-    refused before it is kept: a flood of WANTs for made-up transfers costs bounded memory."""
-    monkeypatch.setattr(p2p_worker, "MAX_EARLY_WANTS", 8)
-    p = p2p_worker_for("kv_producer")
-    nacks: queue.Queue = queue.Queue()
-    groups: list[PairGroups] = []
-    address = PeerAddr("D", "127.0.0.1", free_port())
-    d = ControlPlane(
-        codec(),
-        address,
-        {
-            Nack: lambda _, m: nacks.put(m),
-            Hello: lambda peer, m: groups[0].on_hello(peer, m),
-            StoreSet: lambda peer, m: groups[0].on_store_set(peer, m),
-        },
-    )
-    groups.append(PairGroups(address, d.send, setup_timeout_s=10, op_timeout_s=10))
-    d.start()
-    try:
-        group = groups[0].ensure(p.me)  # its Hello reaches P before the WANTs
-        for i in range(20):
-            d.send(p.me, Want(f"t{i}", group.name, 8, "h", [[0, 1]], [[2]]))
-        d.send(p.me, Want("huge", group.name, 8, "h", [list(range(1000))], [[1000]]))
-        refused = [nacks.get(timeout=10) for _ in range(13)]
-        assert [n.transfer_id for n in refused] == [f"t{i}" for i in range(8, 20)] + ["huge"]
-        assert all("8 transfers already wait for P's KV" in n.reason for n in refused[:-1])
-        assert "more blocks than its prompt has" in refused[-1].reason
-        with p._lock:
-            assert sorted(p._outbound) == sorted(f"t{i}" for i in range(8))
-    finally:
-        p.shutdown()
-        groups[0].close()
-        d.close()

@@ -23,7 +23,7 @@ from pagedkv.kv_transfer.p2p.protocol import (
     PeerAddr,
     Want,
 )
-from tests.entrypoints.conftest import MODEL_NAME
+from tests.entrypoints.conftest import MODEL_NAME, idle_connection_survives
 from tests.kv_transfer.conftest import (
     MAX_TOKENS,
     SECRET,
@@ -48,9 +48,8 @@ def xpyd(cluster_factory):
         servers[name], configs[name] = cluster.serve(
             name, "kv_producer", proxy, send_type=send_type, lease_s=3.0
         )
-    for name in DECODERS:  # D-0 receives in place into runs of its blocks, D-1 stages
-        extra = {"direct_min_bytes": 0} if name == "D-0" else {}
-        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy, **extra)
+    for name in DECODERS:
+        servers[name], configs[name] = cluster.serve(name, "kv_consumer", proxy)
     cluster.ready(*servers.values())
     proxy.wait_for_instances(len(PREFILLERS), len(DECODERS))
     return SimpleNamespace(proxy=proxy, servers=servers, configs=configs)
@@ -198,3 +197,8 @@ def test_dead_instances_are_retried_around_and_drop_out(xpyd, reference_text) ->
     assert {i["engine_id"] for i in live["prefill"] + live["decode"]} == {"P-put", "P-async", "D-0"}
     assert "failed, retrying" in xpyd.proxy.log_path.read_text()
     wait_all_blocks_free({n: servers[n] for n in ("P-put", "P-async", "D-0")})
+
+
+def test_the_proxy_keeps_an_idle_connection_longer_than_its_clients_do(xpyd) -> None:
+    """As for ``pagedkv serve`` (test_openai_server.py): no keep-alive race with clients."""
+    assert idle_connection_survives(xpyd.proxy.base_url, idle_s=6.0)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedkv
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
@@ -177,7 +178,13 @@ def run_server(args: argparse.Namespace) -> None:
             registration.close()
 
     server = DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        ),
         args.shutdown_timeout,
         begin_drain,
         async_llm.abort_all,

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
@@ -130,7 +131,13 @@ def run_proxy(args) -> None:
     )
     app = build_proxy_app(registry, Router(registry, args.routing), config)
     server = DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        ),
         args.shutdown_timeout,
         abort_in_flight=app.state.proxy.abort_in_flight,
     )

@@ -16,29 +16,30 @@ SERVER_KEYS = ("proxy_ip", "proxy_port", "proxy_heartbeat_s")
 
 @dataclass(frozen=True)
 class P2pConfig:
-    #: PUT: P sends on its engine thread; PUT_ASYNC: from a sender thread, layer by layer as the
-    #: forward pass computes them; GET: P copies the KV into a bounded pool, D pulls.
+    #: PUT: sent layer by layer as the forward computes them, the step waiting until they left;
+    #: PUT_ASYNC: the same from copies, the step not waiting; GET: P copies the KV into a
+    #: bounded pool (``kv_buffer_size``) when the request finishes, D pulls (send_modes.py).
     send_type: str = "PUT_ASYNC"
     #: How long P keeps a transfer's KV without hearing from D (D's heartbeats renew it).
     lease_s: float = 30.0
     #: D renews its leases and both sides ping their peers this often.
     heartbeat_s: float = 2.0
-    #: A peer silent this long (while transfers with it are pending) is gone.
+    #: A peer with a pair group that is silent this long is lost: the group is torn down.
     peer_timeout_s: float = 10.0
+    #: A pair group without a transfer for this long is torn down (set up again when needed).
+    idle_ttl_s: float = 600.0
+    #: Pair groups live at most (each holds sockets and threads): past it, the least recently
+    #: used is torn down.
+    max_pair_groups: int = 64
     #: Creating a pair group (rendezvous + connect) fails after this long.
     group_setup_timeout_s: float = 10.0
-    #: Any one gloo send or receive fails after this long.
+    #: Any one gloo send or receive fails after this long (a backstop for a dead or hung peer:
+    #: gloo then closes the pair, and the pair group is torn down).
     transfer_timeout_s: float = 30.0
     #: KV travels in messages of at most this many bytes (whole blocks), several in flight.
     chunk_bytes: int = 8 << 20
-    #: Bytes of messages in flight each way (many small messages or a few large ones).
+    #: Bytes of messages in flight each way per pair group (D's staging ring holds as much).
     in_flight_bytes: int = 32 << 20
-    #: D receives straight into its blocks (no staging, no scatter) when its blocks form runs
-    #: whose messages average at least this many bytes; else it stages and scatters.
-    direct_min_bytes: int = 1 << 20
-    #: Threads that send for PUT_ASYNC / serve GET pulls (P), and that receive (D).
-    num_send_threads: int = 2
-    num_recv_threads: int = 4
     #: Control messages larger than this are rejected before they are decoded.
     max_message_bytes: int = 1 << 20
     #: HMAC-SHA256 key for every control message; None = unauthenticated (loopback only!).
@@ -56,13 +57,12 @@ class P2pConfig:
             "peer_timeout_s",
             "group_setup_timeout_s",
             "transfer_timeout_s",
+            "idle_ttl_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config.{name} must be > 0, got {value!r}")
-        if not isinstance(self.direct_min_bytes, int) or self.direct_min_bytes < 0:
-            raise ValueError("kv_connector_extra_config.direct_min_bytes must be an integer >= 0")
-        for name in ("chunk_bytes", "in_flight_bytes", "num_send_threads", "num_recv_threads"):
+        for name in ("chunk_bytes", "in_flight_bytes", "max_pair_groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(

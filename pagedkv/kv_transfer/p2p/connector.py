@@ -119,6 +119,8 @@ class SendSpec:
 
 @dataclass
 class P2pConnectorMetadata(KVConnectorMetadata):
+    #: D: transfers of requests that arrived and wait for admission (P keeps their KV).
+    queued: list[RemoteLoad] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     #: D: request ids whose load must end now (aborted, or past the deadline).
     cancels: list[str] = field(default_factory=list)
@@ -172,6 +174,11 @@ class P2pConnector(KVConnectorBase):
         if not self.config.is_kv_consumer or not asks_for(raw, "do_remote_prefill"):
             return None
         return parse_remote_load(raw)
+
+    def on_new_request(self, request: Request) -> None:
+        load = self._remote_load(request)
+        if load is not None and load.remote is not None:
+            self._meta.queued.append(load)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -8,7 +8,9 @@ thread and must not block (no gloo, no long waits): they update state and hand w
 
 The sender's address is whatever the (authenticated) envelope says, so the DEALERs are a
 bounded LRU (``max_peers``): messages from many claimed addresses cost at most that many
-sockets, never every file descriptor of the process.
+sockets, never every file descriptor of the process. ``on_heard`` sees the sender of every
+message that decoded; ``on_rejected`` every ``ProtocolError`` (its ``claimed_sender`` is a
+claim, not an identity).
 
 Answers on the same connection. A handler may return a message, and ``on_rejected`` may turn a
 refused one into a message: it goes back through the ROUTER to the connection the message came
@@ -21,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -62,6 +65,7 @@ class ControlPlane:
         handlers: dict[type[msgspec.Struct], Handler],
         name: str = "p2p",
         max_peers: int = MAX_PEERS,
+        on_heard: Callable[[PeerAddr], None] | None = None,
         on_rejected: RejectionHandler | None = None,
     ) -> None:
         self.codec = codec
@@ -69,6 +73,7 @@ class ControlPlane:
         self.name = name
         self.max_peers = max_peers
         self._handlers = handlers
+        self._on_heard = on_heard
         self._on_rejected = on_rejected
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
@@ -80,6 +85,10 @@ class ControlPlane:
         #: Endpoint -> DEALER, least recently used first.
         self._dealers: collections.OrderedDict[str, _Dealer] = collections.OrderedDict()
         self._dealers_lock = threading.Lock()
+        #: Forgotten DEALERs, by endpoint: (close at, DEALER), oldest first.
+        self._retired: collections.OrderedDict[str, tuple[float, _Dealer]] = (
+            collections.OrderedDict()
+        )
         self._stop = threading.Event()
         #: Dropped messages by reason ("malformed", "oversized", "unauthenticated", ...).
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -119,6 +128,8 @@ class ControlPlane:
             if dealer is not None:
                 self._dealers.move_to_end(endpoint)
                 return dealer
+            if endpoint in self._retired:  # a late message to a peer gone: no new socket
+                return self._retired[endpoint][1]
             while len(self._dealers) >= self.max_peers:
                 _, evicted = self._dealers.popitem(last=False)
                 self.num_evicted_peers += 1
@@ -135,13 +146,47 @@ class ControlPlane:
             dealer = self._dealers[endpoint] = _Dealer(socket)
             return dealer
 
-    def forget(self, peer: PeerAddr) -> None:
-        """Close the DEALER to a peer that went away (a later send reconnects)."""
+    def forget(self, peer: PeerAddr, keep_s: float = 0.0, now: float | None = None) -> None:
+        """Retire the DEALER to a peer that went away. It is kept ``keep_s`` more seconds, so
+        what is queued on it (a CANCEL to a peer that was only hung) still goes out if the
+        peer comes back, and late messages to the peer reuse it instead of opening a socket;
+        ``close_retired`` closes it then, ``revive`` takes it back into use."""
         with self._dealers_lock:
             dealer = self._dealers.pop(peer.endpoint, None)
+            if dealer is not None and keep_s > 0:
+                deadline = (time.monotonic() if now is None else now) + keep_s
+                self._retired[peer.endpoint] = (deadline, dealer)
+                dealer = None
+                if len(self._retired) > self.max_peers:  # bounded, like the live ones
+                    _, (_, dealer) = self._retired.popitem(last=False)
         if dealer is not None:
             with dealer.lock:
                 dealer.socket.close(linger=0)
+
+    def revive(self, peer: PeerAddr) -> None:
+        """The peer is back (a new pair group): its retired DEALER, if any, is live again."""
+        with self._dealers_lock:
+            retired = self._retired.pop(peer.endpoint, None)
+            if retired is not None and peer.endpoint not in self._dealers:
+                self._dealers[peer.endpoint] = retired[1]
+                retired = None
+        if retired is not None:
+            with retired[1].lock:
+                retired[1].socket.close(linger=0)
+
+    def close_retired(self, now: float) -> None:
+        """Close the retired DEALERs whose time is up."""
+        with self._dealers_lock:
+            due = [ep for ep, (deadline, _) in self._retired.items() if deadline <= now]
+            dealers = [self._retired.pop(ep)[1] for ep in due]
+        for dealer in dealers:
+            with dealer.lock:
+                dealer.socket.close(linger=0)
+
+    @property
+    def num_peers(self) -> int:
+        """DEALERs open now (forgotten ones still flushing included)."""
+        return len(self._dealers) + len(self._retired)
 
     # ------------------------------------------------------------------ inbound
     def _serve(self) -> None:
@@ -178,12 +223,15 @@ class ControlPlane:
             self.rejected[e.reason] += 1
             self._log.warning(
                 e.reason,
-                "%s: dropped a control message (%s) [%d so far]",
+                "%s: dropped a control message%s (%s) [%d so far]",
                 self.name,
+                f" from {e.claimed_sender} (claimed)" if e.claimed_sender else "",
                 e,
                 self.rejected[e.reason],
             )
             return self._on_rejected(e) if self._on_rejected is not None else None
+        if self._on_heard is not None:
+            self._on_heard(envelope.sender)
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rejected["unexpected"] += 1
@@ -201,15 +249,18 @@ class ControlPlane:
             logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
             return None
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the listener and close every socket; what is queued (a goodbye) gets up to
+        ``linger_s`` to leave."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         with self._dealers_lock:
-            dealers = list(self._dealers.values())
+            dealers = list(self._dealers.values()) + [d for _, d in self._retired.values()]
             self._dealers.clear()
+            self._retired.clear()
         for dealer in dealers:
             with dealer.lock:
-                dealer.socket.close(linger=0)
+                dealer.socket.close(linger=int(linger_s * 1000))
         self._router.close(linger=0)
         self._ctx.term()

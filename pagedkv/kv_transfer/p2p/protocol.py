@@ -16,8 +16,8 @@ msgspec decodes into the declared types only.
 Both ends must agree on signing: a signed message to an instance without a secret, or an
 unsigned one to an instance with a secret, is an ``auth_mismatch`` (refused either way, so a
 deployment with the secret on some processes only fails loudly on both sides, not silently on
-one). Such an error carries the sender the envelope *claims* (unverified: only for saying who
-is misconfigured, never for trusting them).
+one). Such an error, a wrong MAC and an incompatible message carry the sender the envelope
+*claims* (unverified: only for saying who is misconfigured, never for trusting them).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import re
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_ENVELOPE_BYTES = 1024
 MAC_BYTES = 32
 MAX_ENGINE_ID_LEN = 256
@@ -143,13 +143,23 @@ class Want(msgspec.Struct, frozen=True):
     segments: list[list[int]]
 
 
-class XferBegin(msgspec.Struct, frozen=True):
-    """P -> D: the data of ``transfer_id`` follows on ``group`` with gloo tag ``tag``: for each
-    layer in order, each segment of the WANT as a K message and a V message."""
+class XferPart(msgspec.Struct, frozen=True, array_like=True):
+    """One transfer of a wire batch: its id and the segments of its WANT (per KV cache group,
+    blocks per message), so D can size every message even of a transfer it forgot."""
 
     transfer_id: str
+    segments: list[list[int]]
+
+
+class XferBegin(msgspec.Struct, frozen=True):
+    """P -> D: a wire batch follows on pair group ``group`` with gloo tag ``tag``. Layer-major:
+    for each layer, for each part in order, each segment of that layer's KV cache group as a K
+    message then a V message. P sends its batches to one D one after another, in the order of
+    their XFER_BEGINs, and D receives them in that order (see lanes.py)."""
+
     group: str
     tag: int
+    parts: list[XferPart]
 
 
 class Done(msgspec.Struct, frozen=True):
@@ -177,9 +187,21 @@ class Cancel(msgspec.Struct, frozen=True):
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
-    """Liveness. From D it renews the leases of ``transfer_ids``; P answers with an empty one."""
+    """Liveness, both ways, while a pair group exists. From D it also renews the leases of
+    ``transfer_ids`` (loads D has asked for: P NACKs the ones it does not hold for D) and of
+    ``queued`` (requests D has not admitted yet: P keeps their KV, ignoring ids it does not
+    know yet)."""
 
     transfer_ids: list[str] = []
+    queued: list[str] = []
+
+
+class Bye(msgspec.Struct, frozen=True):
+    """Pair group ``group`` is torn down on the sender's side (shutting down, idle, or the
+    receiver stopped answering): tear yours down too, and fail what was in flight on it."""
+
+    group: str
+    reason: str
 
 
 MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
@@ -191,12 +213,14 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
     "nack": Nack,
     "cancel": Cancel,
     "heartbeat": Heartbeat,
+    "bye": Bye,
 }
 
 
 class ProtocolError(ValueError):
     """A message that must be dropped; ``reason`` is a short label (for logs and counters).
-    ``claimed_sender``: for an ``auth_mismatch``, who the envelope says sent it (unverified)."""
+    ``claimed_sender``: for ``auth_mismatch``, ``unauthenticated`` and ``incompatible``, who the
+    envelope says sent it (unverified: for telling that peer, never for trusting it)."""
 
     def __init__(
         self, reason: str, detail: str = "", claimed_sender: PeerAddr | None = None
@@ -265,7 +289,11 @@ class Codec:
                 self._claimed_sender(envelope_bytes),
             )
         if self.secret is not None and not self._mac_ok(envelope_bytes, payload, mac):
-            raise ProtocolError("unauthenticated", "wrong HMAC (another shared secret?)")
+            raise ProtocolError(
+                "unauthenticated",
+                "wrong HMAC (another shared secret?)",
+                self._claimed_sender(envelope_bytes),
+            )
         try:
             envelope = self._envelope_decoder.decode(envelope_bytes)
         except msgspec.DecodeError as e:
@@ -278,7 +306,9 @@ class Codec:
             raise ProtocolError(
                 "incompatible",
                 f"compatibility hash {envelope.compat_hash[:12]!r} from "
-                f"{envelope.sender.engine_id!r} differs from ours",
+                f"{envelope.sender.engine_id!r} differs from ours (another model, dtype or KV "
+                "layout)",
+                envelope.sender,
             )
         decoder = self._decoders.get(envelope.kind)
         if decoder is None:

@@ -6,12 +6,15 @@ NACK, the peer going silent, or its own deadline::
 
     P (Outbound)  PENDING --WANT+KV--> SENDING --all sent--> SENT --DONE ok--> DELIVERED
                      |                    |                    |--DONE !ok / CANCEL--> FAILED
-                     |                    |--send error------------------------------> FAILED
+                     |                    |--send error, peer lost ------------------> FAILED
                      |--request ended w/o KV, pool full, bad WANT--------------------> REFUSED
+                     |--CANCEL, peer lost, pair group gone --------------------------> FAILED
                      |--lease expired (PENDING or SENT) -----------------------------> EXPIRED
     D (Inbound)   PENDING --XFER_BEGIN--> RECEIVING --all scattered--> DELIVERED
-                     |--NACK--> REFUSED      |--error / cancel / peer silent--> FAILED
-                     |--cancel (abort, deadline) / peer silent / bad params--> FAILED
+                     |--NACK--> REFUSED      |--error / cancel / peer lost--> FAILED
+                     |--cancel (abort, deadline) / peer lost / bad params--> FAILED
+
+A record in SENDING leaves it only through its lane (the lane may still read its memory).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, SendSpec
+from pagedkv.kv_transfer.p2p.lanes import Job
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr, Want
+from pagedkv.worker.model_runner_output import KVConnectorOutput
 
 
 class TransferState(enum.Enum):
@@ -61,26 +66,31 @@ class Outbound:
     #: The scheduler's decision when the request ended: None = not ended yet.
     held: bool | None = None
     released: bool = False
-    pooled: bool = False
-    #: D's verdict (DONE/CANCEL) when it arrives while P is still sending.
+    #: Whole sends may start: the request finished and the send mode prepared its KV.
+    prepared: bool = False
+    #: The lane job while SENDING.
+    job: Job | None = None
+    #: D's verdict (DONE/CANCEL), or the peer lost, while P is still sending.
     peer_result: tuple[bool, str] | None = None
 
 
 @dataclass(eq=False)
 class Inbound:
     """D's side of one load. ``lock`` orders writes into the paged cache against cancellation:
-    once ``cancelled`` is set under it, no receive into the blocks is posted and nothing is
-    scattered; the load is reported ended once the receives already posted have completed."""
+    once ``cancelled`` is set under it the receive lane posts nothing more into the blocks and
+    scatters nothing more; the load is reported ended once ``posted`` (receives posted
+    straight into its blocks, still in flight) is back to 0 (``failure`` waits till then)."""
 
     spec: LoadSpec
     group: str = ""
-    #: How the data arrives (planned in ``_start_load``; see transfer.py).
+    #: How the data arrives, per KV cache group (planned at the load's start; transfer.py).
     segments: list[list[int]] = field(default_factory=list)
-    direct: bool = False
     state: TransferState = TransferState.PENDING
     cancelled: bool = False
+    posted: int = 0
     reported: bool = False
-    #: When the load started (monotonic): P has ``peer_timeout_s`` from then to be heard.
+    failure: str | None = None
+    #: When the load started (monotonic): its deadline counts from then.
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,6 +105,8 @@ class P2pStats:
     num_bytes_sent: int = 0
     num_blocks_received: int = 0
     num_bytes_received: int = 0
+    #: Prompt tokens whose KV arrived from P (D did not compute them).
+    num_tokens_received: int = 0
 
     def as_dict(self) -> dict[str, int]:
         out = {
@@ -102,8 +114,41 @@ class P2pStats:
             "num_bytes_sent": self.num_bytes_sent,
             "num_blocks_received": self.num_blocks_received,
             "num_bytes_received": self.num_bytes_received,
+            "num_tokens_received": self.num_tokens_received,
         }
         for state in ("delivered", "refused", "failed", "expired"):
             out[f"num_sends_{state}"] = self.sends[state]
             out[f"num_loads_{state}"] = self.loads[state]
+        return out
+
+
+class Finished:
+    """What the worker reports up at the end of a step (``finished_sending``,
+    ``finished_recving``, ``invalid_block_ids``), filled by any thread; ``progress`` wakes an
+    engine that waits only for transfers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._output = KVConnectorOutput()
+        self.progress = threading.Event()
+
+    def sending(self, request_id: str) -> None:
+        """P: the request's blocks may be freed."""
+        with self._lock:
+            self._output.finished_sending.add(request_id)
+        self.progress.set()
+
+    def recving(self, request_id: str, invalid_block_ids: set[int], error: str | None) -> None:
+        """D: the request's load ended (failed: its blocks are ``invalid_block_ids``, and
+        ``error`` says why)."""
+        with self._lock:
+            self._output.finished_recving.add(request_id)
+            self._output.invalid_block_ids.update(invalid_block_ids)
+            if error is not None:
+                self._output.load_errors[request_id] = error
+        self.progress.set()
+
+    def take(self) -> KVConnectorOutput:
+        with self._lock:
+            out, self._output = self._output, KVConnectorOutput()
         return out

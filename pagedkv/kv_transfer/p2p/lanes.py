@@ -1,0 +1,324 @@
+"""Lanes: the data path of one pair group, one thread per direction (SendLane here,
+ReceiveLane in receive_lane.py).
+
+P's ``SendLane`` sends the transfers queued for one D one after another, in the order P
+queued them: it takes what is queued (up to ``MAX_PARTS`` transfers) as one wire batch,
+announces it (XFER_BEGIN over the control plane, whose connection keeps its order), then
+sends the batch layer-major through gloo with at most ``in_flight_bytes`` outstanding (a
+message is a slice of the cache, or packed into a reused staging ring while the previous ones
+are on the wire), the next batch following on without a gap. D's ``ReceiveLane`` receives the
+batches in the order their XFER_BEGINs arrived, with at most ``in_flight_bytes`` of receives
+posted, straight into runs of its blocks or into its staging ring and scattered, unless the
+load was cancelled meanwhile (then the rest drains into staging: the lane stays in step).
+
+Why (issue 12): a gloo send moves only once the receiver has posted a matching receive, and
+a wait that times out closes the whole pair. With PUT sends on P's engine thread and a shared
+pool of receive threads on D, P's send for transfer k waited for a receive D had no thread
+left to post, the wait timed out, gloo closed the pair, and every transfer on it failed, again
+and again. With one ordered lane each way the receive P waits for is always one D is about
+to post, so the op timeout (``transfer_timeout_s``) is only a backstop for a dead or hung
+peer. A lane whose gloo op fails is *broken*: its pair group must be torn down.
+
+A lane holds the group's process group until its thread ends; ``stop`` ends the thread once
+its posted operations have completed or failed (a ProcessGroupGloo is only released, with
+its sockets and threads, when nothing references it any more).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch.distributed import ProcessGroupGloo
+
+from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
+from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
+
+logger = logging.getLogger(__name__)
+
+#: Transfers in one wire batch at most.
+MAX_PARTS = 64
+_tags = itertools.count(1)
+
+
+def _next_tag() -> int:
+    return next(_tags) % (1 << 30) + 1
+
+
+class LaneError(RuntimeError):
+    """The lane can't go on in step with its peer: its pair group must be torn down."""
+
+
+class Source(Protocol):
+    def layer(self, layer_idx: int) -> LayerBlocks:
+        """This transfer's share of layer ``layer_idx`` (may wait until it is computed)."""
+        ...
+
+
+@dataclass(eq=False)
+class Job:
+    """One transfer for a SendLane. ``ended`` is set once the lane is done with it (sent, or
+    failed: ``error``); only then may its source's memory change."""
+
+    transfer_id: str
+    segments: list[list[int]]
+    source: Source
+    num_bytes: int
+    error: Exception | None = None
+    ended: threading.Event = field(default_factory=threading.Event)
+
+
+class StagingRing:
+    """One reused staging buffer, handed out first in, first out: a message takes the next
+    ``size`` bytes (wrapping to the start when the end is too short) and gives them back once
+    its send or receive (and scatter) is done. At most ``capacity`` bytes (or one larger
+    message) are ever allocated; reusing them spares the page faults of fresh buffers."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffer: torch.Tensor | None = None
+        self._spans: deque[tuple[int, int]] = deque()  # (offset, size), oldest first
+
+    def take(self, size: int) -> torch.Tensor | None:
+        """``size`` bytes, or None until older messages give theirs back."""
+        if self._buffer is None or self._buffer.numel() < size:
+            if self._spans:
+                return None
+            self._buffer = torch.empty(max(self.capacity, size), dtype=torch.uint8)
+        cap = self._buffer.numel()
+        if not self._spans:
+            start = 0
+        else:
+            first = self._spans[0][0]
+            end = self._spans[-1][0] + self._spans[-1][1]
+            if end > first:  # in use: [first, end)
+                start = end if end + size <= cap else 0 if size <= first else -1
+            else:  # wrapped, in use: [first, cap) and [0, end)
+                start = end if end + size <= first else -1
+            if start < 0:
+                return None
+        self._spans.append((start, size))
+        return self._buffer[start : start + size]
+
+    def give_back(self) -> None:
+        """The oldest message's bytes are free again."""
+        self._spans.popleft()
+
+    def release(self) -> None:
+        """Drop the buffer (nothing in use): the lane is idle."""
+        assert not self._spans
+        self._buffer = None
+
+
+class Lane:
+    def __init__(
+        self,
+        pg: ProcessGroupGloo,
+        peer_rank: int,
+        on_broken: Callable[[str], None],
+        in_flight_bytes: int,
+        timeout_s: float,
+        name: str,
+    ) -> None:
+        self._pg: ProcessGroupGloo | None = pg
+        self._peer_rank = peer_rank
+        self._on_broken = on_broken
+        self._in_flight_bytes = in_flight_bytes
+        self._ring = StagingRing(in_flight_bytes)
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self.name = name
+        self._cond = threading.Condition()
+        self._stopped: str | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, reason: str) -> None:
+        with self._cond:
+            if self._stopped is None:
+                self._stopped = reason
+            self._cond.notify_all()
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _check_stopped(self) -> None:
+        if self._stopped is not None:
+            raise LaneError(f"pair group torn down: {self._stopped}")
+
+    def _wait(self, work) -> None:
+        work.wait(self._timeout)
+
+    def _broke(self, reason: str) -> None:
+        """The lane can't go on (unless it was stopped): its pair group must go."""
+        if self._stopped is None:
+            logger.warning("%s broken: %s", self.name, reason)
+            self._on_broken(reason)
+
+    def _settle(self, works) -> None:
+        """Wait for posted operations to end, failed or not: gloo reads or writes their memory
+        until then."""
+        for work in works:
+            with contextlib.suppress(Exception):
+                self._wait(work)
+
+    #: An idle lane keeps its staging buffer this long, then lets it go.
+    IDLE_RELEASE_S = 2.0
+
+    def _idle_wait(self) -> None:
+        """Wait for work (the condition held); an idle lane lets its staging buffer go."""
+        if not self._cond.wait(self.IDLE_RELEASE_S):
+            self._ring.release()
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            self._pg = None  # the last reference: sockets and threads go with the group
+            self._ring = StagingRing(0)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class SendLane(Lane):
+    """P's side; ``on_end(job)`` reports each job once (``job.error`` None: all sent),
+    ``on_broken(reason)`` a lane that can't go on."""
+
+    def __init__(
+        self,
+        pg: ProcessGroupGloo,
+        peer_rank: int,
+        group: str,
+        num_layers: int,
+        announce: Callable[[XferBegin], bool],
+        on_end: Callable[[Job], None],
+        on_broken: Callable[[str], None],
+        in_flight_bytes: int,
+        timeout_s: float,
+        name: str,
+    ) -> None:
+        super().__init__(pg, peer_rank, on_broken, in_flight_bytes, timeout_s, name)
+        self.group = group
+        self._num_layers = num_layers
+        self._announce = announce
+        self._on_end = on_end
+        self._queue: deque[Job] = deque()
+
+    def submit(self, jobs: list[Job]) -> bool:
+        """Queue jobs to go out in this order; False (nothing queued) once stopped."""
+        with self._cond:
+            if self._stopped is not None:
+                return False
+            self._queue.extend(jobs)
+            self._cond.notify_all()
+            return True
+
+    def cancel(self, transfer_id: str) -> Job | None:
+        """Take a job out of the queue if its batch has not started (it then never goes out)."""
+        with self._cond:
+            for job in self._queue:
+                if job.transfer_id == transfer_id:
+                    self._queue.remove(job)
+                    return job
+        return None
+
+    def stop(self, reason: str) -> list[Job]:
+        """No more batches; returns the queued jobs that never started (the caller ends them).
+        Jobs in flight end (failed) once their posted sends complete or fail."""
+        with self._cond:
+            jobs = list(self._queue)
+            self._queue.clear()
+        super().stop(reason)
+        return jobs
+
+    def _run(self) -> None:
+        #: Posted sends, oldest first: (work, tensor kept alive, packed in the staging ring,
+        #: jobs whose last send it is).
+        window: deque[tuple[object, torch.Tensor, bool, list[Job]]] = deque()
+        state = {"bytes": 0}
+        batch: list[Job] = []
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not window and self._stopped is None:
+                        self._idle_wait()
+                    self._check_stopped()
+                    batch = [self._queue.popleft() for _ in range(min(MAX_PARTS, len(self._queue)))]
+                if batch:
+                    self._send_batch(batch, window, state)
+                    batch = []
+                else:
+                    self._complete_oldest(window, state)
+        except Exception as e:  # every job still here ends, failed
+            reason = str(e)
+            self._broke(reason)
+            self._settle(entry[0] for entry in window)  # memory is reused only after
+            with self._cond:
+                leftover = list(self._queue)
+                self._queue.clear()
+            error = e if isinstance(e, LaneError) else LaneError(reason)
+            for job in batch + [job for *_, jobs in window for job in jobs] + leftover:
+                job.error = error
+                self._end(job)
+
+    def _send_batch(self, batch: list[Job], window: deque, state: dict) -> None:
+        tag = _next_tag()
+        parts = [XferPart(job.transfer_id, job.segments) for job in batch]
+        if not self._announce(XferBegin(self.group, tag, parts)):
+            for job in batch:  # D never heard of this batch: nothing went out of step
+                job.error = LaneError("could not announce the transfer to D")
+                self._end(job)
+            return
+        last: tuple | None = None
+        for layer in range(self._num_layers):
+            for job in batch:
+                blocks = job.source.layer(layer)
+                for kv, start, end in blocks.messages():
+                    self._check_stopped()
+                    size = blocks.num_bytes(start, end)
+                    while window and state["bytes"] + size > self._in_flight_bytes:
+                        self._complete_oldest(window, state)
+                    message = blocks.run(kv, start, end)  # sent from the blocks themselves
+                    packed = message is None
+                    if packed:  # packed into the ring while earlier messages are on the wire
+                        staging = self._ring.take(size)
+                        while staging is None:
+                            self._complete_oldest(window, state)
+                            staging = self._ring.take(size)
+                        message = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
+                        blocks.gather(kv, start, end, message)
+                    assert self._pg is not None
+                    work = self._pg.send([message], self._peer_rank, tag)
+                    last = (work, message, packed, [])
+                    window.append(last)
+                    state["bytes"] += size
+        if last is None:  # nothing to send (every segment list empty)
+            for job in batch:
+                self._end(job)
+        else:
+            last[3].extend(batch)
+
+    def _complete_oldest(self, window: deque, state: dict) -> None:
+        work, message, packed, jobs = window[0]
+        self._wait(work)
+        window.popleft()
+        state["bytes"] -= nbytes(message)
+        if packed:
+            self._ring.give_back()
+        for job in jobs:
+            self._end(job)
+
+    def _end(self, job: Job) -> None:
+        job.ended.set()
+        self._on_end(job)

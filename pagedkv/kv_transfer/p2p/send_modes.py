@@ -1,0 +1,223 @@
+"""How P sends a transfer: one small class per ``send_type`` behind one interface.
+
+Every send goes through the pair group's SendLane (lanes.py); the modes differ in where the
+lane reads the KV from and when::
+
+                 while the forward computes the prompt         after the request finished
+    PUT          layer by layer from the paged cache; the      from the held blocks
+                 step ends only once it has left (zero copy)
+    PUT_ASYNC    layer by layer from copies made as each       from the held blocks
+                 layer is computed (the step does not wait)
+    GET          never                                         from a copy in the send pool
+                                                               (the blocks are freed at once)
+
+Copies (PUT_ASYNC's layers, GET's pool) count against ``kv_buffer_size``: past it PUT_ASYNC
+sends from the held blocks after the request finished, and GET refuses the transfer (NACK).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.kv_transfer.p2p.lanes import Job, LaneError
+from pagedkv.kv_transfer.p2p.send_pool import SendPool
+from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, block_bytes, gather_blocks
+from pagedkv.kv_transfer.p2p.transfer_state import Outbound
+from pagedkv.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SendContext:
+    """What every mode reads: the paged cache, each layer's KV cache group, the copy budget."""
+
+    kv_caches: list[torch.Tensor]
+    layer_groups: list[int]
+    block_size: int
+    pool: SendPool
+    timeout_s: float
+
+
+class HeldSource:
+    """A transfer read from blocks that stay put until the lane is done with it."""
+
+    def __init__(self, caches: list[torch.Tensor], ctx: SendContext, ids, segments) -> None:
+        self._caches, self._ctx, self._ids, self._segments = caches, ctx, ids, segments
+
+    def layer(self, layer_idx: int) -> LayerBlocks:
+        g = self._ctx.layer_groups[layer_idx]
+        return LayerBlocks(self._caches[layer_idx], self._ids[g], self._segments[g])
+
+
+class StreamSource:
+    """A transfer sent while the forward computes it: layer ``i`` is there once the forward
+    has written it (``put``), as the cache itself (PUT) or a copy (PUT_ASYNC)."""
+
+    def __init__(self, num_layers: int, timeout_s: float) -> None:
+        self._layers: list[LayerBlocks | None] = [None] * num_layers
+        self._cond = threading.Condition()
+        self._timeout_s = timeout_s
+
+    def put(self, layer_idx: int, blocks: LayerBlocks) -> None:
+        with self._cond:
+            self._layers[layer_idx] = blocks
+            self._cond.notify_all()
+
+    def layer(self, layer_idx: int) -> LayerBlocks:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._layers[layer_idx] is not None,
+                                       self._timeout_s):  # fmt: skip
+                raise LaneError(f"layer {layer_idx} was not computed in {self._timeout_s}s")
+            blocks = self._layers[layer_idx]
+            self._layers[layer_idx] = None  # sent once: the copy goes with the message
+            assert blocks is not None
+            return blocks
+
+
+@dataclass(eq=False)
+class _Streaming:
+    job: Job
+    source: StreamSource
+    ids: list[torch.Tensor]
+    segments: list[list[int]]
+
+
+class SendMode:
+    """One send type. Engine-thread hooks: ``prepare`` (a finished request's blocks are held),
+    ``stream`` / ``save_layer`` / ``wait_for_save`` (the forward completing prompts)."""
+
+    def __init__(self, ctx: SendContext) -> None:
+        self.ctx = ctx
+        #: Transfers streamed in the forward being run.
+        self._streaming: list[_Streaming] = []
+
+    def num_bytes(self, ids: list[torch.Tensor]) -> int:
+        return sum(
+            block_bytes(cache) * len(ids[g])
+            for cache, g in zip(self.ctx.kv_caches, self.ctx.layer_groups)
+        )
+
+    def ids(self, rec: Outbound) -> list[torch.Tensor]:
+        """Per KV cache group, where the wanted blocks are: block ids in the paged cache."""
+        assert rec.want is not None and rec.spec is not None
+        return [
+            torch.tensor([ids[i] for i in ix], dtype=torch.int64)
+            for ix, ids in zip(rec.want.block_indices, rec.spec.block_ids)
+        ]
+
+    def prepare(self, rec: Outbound) -> str | None:
+        """The request finished and its blocks are held: make the transfer sendable after
+        the fact (engine thread, outside the owner's lock). Returns why it can't be."""
+        return None
+
+    #: Whether the blocks may be freed once ``prepare`` succeeded (the KV was copied).
+    frees_blocks_early = False
+
+    def whole(self, rec: Outbound, ids: list[torch.Tensor], segments: list[list[int]]) -> Job:
+        """The transfer as one job, from the held blocks."""
+        source = HeldSource(self.ctx.kv_caches, self.ctx, ids, segments)
+        return Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+
+    def stream(
+        self, rec: Outbound, ids: list[torch.Tensor], segments: list[list[int]]
+    ) -> Job | None:
+        """The transfer as a job fed by this step's forward, or None: sent afterwards."""
+        return None
+
+    def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        g = self.ctx.layer_groups[layer_idx]
+        for s in self._streaming:
+            if not s.job.ended.is_set():  # not cancelled before its batch started
+                s.source.put(layer_idx, self._layer_of(kv_cache, s.ids[g], s.segments[g]))
+
+    def _layer_of(self, cache: torch.Tensor, ids: torch.Tensor, segments: list[int]) -> LayerBlocks:
+        return LayerBlocks(cache, ids, segments)
+
+    def wait_for_save(self) -> None:
+        self._streaming = []
+
+    def release(self, transfer_id: str) -> None:
+        """The transfer no longer needs its copies (sent, or ended)."""
+        self.ctx.pool.pop(transfer_id)
+
+    def _start_stream(self, rec: Outbound, ids, segments) -> Job:
+        source = StreamSource(len(self.ctx.kv_caches), self.ctx.timeout_s)
+        job = Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+        self._streaming.append(_Streaming(job, source, ids, segments))
+        return job
+
+
+class PutMode(SendMode):
+    """PUT: sent from the paged cache as the forward computes it; the step waits for it."""
+
+    def stream(self, rec, ids, segments) -> Job | None:
+        return self._start_stream(rec, ids, segments)
+
+    def wait_for_save(self) -> None:
+        """The blocks may change once the step is over: their sends must have left (each
+        gloo wait of the lane is bounded by ``transfer_timeout_s``)."""
+        streaming, self._streaming = self._streaming, []
+        for s in streaming:
+            while not s.job.ended.wait(self.ctx.timeout_s):
+                logger.warning("PUT: still sending %s at the end of the step", s.job.transfer_id)
+
+
+class PutAsyncMode(SendMode):
+    """PUT_ASYNC: each layer is copied as the forward computes it; the lane sends the copies
+    while the engine goes on (copies within ``kv_buffer_size``, else sent afterwards)."""
+
+    def stream(self, rec, ids, segments) -> Job | None:
+        if not self.ctx.pool.reserve(rec.transfer_id, self.num_bytes(ids)):
+            return None
+        return self._start_stream(rec, ids, segments)
+
+    def _layer_of(self, cache, ids, segments) -> LayerBlocks:
+        copy = gather_blocks(cache, ids)  # in wire order: messages are slices of it
+        return LayerBlocks(copy, torch.arange(len(ids)), segments)
+
+
+class GetMode(SendMode):
+    """GET: the KV is copied into the send pool when the request finishes (its blocks are
+    freed at once) and sent when D's WANT is there."""
+
+    frees_blocks_early = True
+
+    def ids(self, rec: Outbound) -> list[torch.Tensor]:
+        """Block-table positions in the pool copy."""
+        assert rec.want is not None
+        return [torch.tensor(ix, dtype=torch.int64) for ix in rec.want.block_indices]
+
+    def prepare(self, rec: Outbound) -> str | None:
+        assert rec.spec is not None
+        num_blocks = cdiv(rec.spec.num_prompt_tokens, self.ctx.block_size)
+        ids = [torch.tensor(b[:num_blocks], dtype=torch.int64) for b in rec.spec.block_ids]
+        num_bytes = self.num_bytes(ids)
+        pool = self.ctx.pool
+        if not pool.reserve(rec.transfer_id, num_bytes):
+            return (
+                f"send pool full ({pool.used_bytes} of {pool.capacity_bytes} bytes used, "
+                f"{num_bytes} needed)"
+            )
+        copies = [
+            gather_blocks(cache, ids[g])
+            for cache, g in zip(self.ctx.kv_caches, self.ctx.layer_groups)
+        ]
+        if not pool.fill(rec.transfer_id, copies):
+            return "the transfer ended while its KV was copied"
+        return None
+
+    def whole(self, rec, ids, segments) -> Job:
+        """From the pool copy; ``ids`` are block-table positions in it."""
+        entry = self.ctx.pool.get(rec.transfer_id)
+        if entry is None:
+            raise LaneError("the send pool copy is gone")
+        source = HeldSource(entry.layers, self.ctx, ids, segments)
+        return Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+
+
+SEND_MODES: dict[str, type[SendMode]] = {"PUT": PutMode, "PUT_ASYNC": PutAsyncMode, "GET": GetMode}
