@@ -57,8 +57,13 @@ def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> 
     route = router.route(Prompt(PROMPT))
     # a: 100 uncached + 0; b: 36 uncached + 40 x 1 = 76
     assert (route.d.engine_id, route.p, route.predicted_hit_tokens) == ("b", None, 64)
-    router.acquire(b)  # b: 36 + 80 = 116 > 100
-    route = router.route(Prompt(PROMPT))
+    # The prompt is on its way into b's cache: the same prefix goes there before its event.
+    again = PROMPT[:80] + [7] * 20
+    assert router.route(Prompt(again)).predicted_hit_tokens == 80
+    router.acquire(b)
+    router.acquire(b)  # b: 100 - 80 + 40 x 3 = 140 > 100
+    other = PROMPT[:64] + [9] * 36
+    route = router.route(Prompt(other))
     assert (route.d.engine_id, route.predicted_hit_tokens) == ("a", 0)
     # The last prompt token is never a hit: a whole cached prompt predicts 96, not 100.
     store(index, "a", PROMPT)
@@ -67,7 +72,8 @@ def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> 
 
 def test_ties_are_broken_at_random(tokenizer) -> None:
     router, _ = kv_router([instance(n) for n in "abc"], tokenizer, seed=0)
-    chosen = Counter(router.route(Prompt(PROMPT)).d.engine_id for _ in range(300))
+    prompts = [[i, *PROMPT] for i in range(300)]  # nothing shared: every cost is equal
+    chosen = Counter(router.route(Prompt(p)).d.engine_id for p in prompts)
     assert set(chosen) == {"a", "b", "c"} and min(chosen.values()) > 60
 
 
@@ -75,6 +81,7 @@ def test_a_prefix_is_held_only_from_its_first_block_and_removed_blocks_are_gone(
     tokenizer,
 ) -> None:
     router, index = kv_router([instance("a")], tokenizer)
+    router.load_weight = 0.0
     hashes = BlockHasher(BS).hash_token_ids(PROMPT)
     store(index, "a", PROMPT)
     index.apply("a", [BlockRemoved([hashes[2]], "GPU", 0)])

@@ -5,11 +5,12 @@ The proxy tokenizes as ``pagedkv serve`` does: a completion's text with the toke
 tokens, token ids as given; a chat's messages through the chat template (generation prompt
 added, no special tokens added again). It hashes with the instance's own algorithm and block
 size (``BlockHasher``: chained, seeded alike in every process), so the hashes are the ones the
-instance computed. Only blocks inside the first ``n - 1`` tokens are hashed: an instance never
+instance computed. A hit is looked up in the first ``n - 1`` tokens only: an instance never
 serves the last prompt token from its cache (it must compute it for the logits)::
 
-    n = 35, block_size 16:  | block 0 | block 1 | 2 (partial) |    hit at most 32 tokens
-                                                   ^ token 34, always computed
+    n = 33, block_size 16:  | block 0 | block 1 |x|    hit at most 16 tokens, though the
+                                               ^ token 32, always computed      prompt
+                                                                                caches 2 blocks
 
 A body the proxy cannot read this way (a batch of prompts, an unknown message form, a template
 error) gets no prediction: the instance answers it, or says what is wrong with it.
@@ -85,8 +86,9 @@ class PromptTokenizer:
         algo: str,
         cache_salt: str | None = None,
     ) -> list[BlockHash]:
-        """Hashes of the blocks an instance hashing with (``algo``, ``block_size``) may hit."""
+        """Hashes of the full blocks of ``token_ids``, as an instance hashing with (``algo``,
+        ``block_size``) computes them."""
         hasher = self._hashers.get((block_size, algo))
         if hasher is None:
             hasher = self._hashers[(block_size, algo)] = BlockHasher(block_size, algo)
-        return hasher.hash_token_ids(token_ids[: len(token_ids) - 1], cache_salt)
+        return hasher.hash_token_ids(token_ids, cache_salt)

@@ -106,6 +106,7 @@ class Router:
         for d in self._rank(answerers, "decode", prompt, hits):
             predicted = hits.get(d.engine_id)
             if d.is_replica or alone or self._prefills_itself(prompt, predicted):
+                self._expect(prompt, d)
                 return Route(d, None, predicted)
             compatible = [
                 p
@@ -116,8 +117,22 @@ class Router:
             ]
             if compatible:
                 p_hits = self._hit_tokens(prompt, compatible)
-                return Route(d, self._rank(compatible, "prefill", prompt, p_hits)[0], predicted)
+                p = self._rank(compatible, "prefill", prompt, p_hits)[0]
+                self._expect(prompt, d)
+                self._expect(prompt, p)
+                return Route(d, p, predicted)
         return None
+
+    def _expect(self, prompt: Prompt | None, instance: Instance) -> None:
+        """The prompt's full blocks will be cached at ``instance`` soon (kv_aware)."""
+        if self.policy != "kv_aware" or prompt is None or not instance.info.hash_algo:
+            return
+        assert self.kv_index is not None and self.tokenizer is not None
+        info = instance.info
+        hashes = self.tokenizer.block_hashes(
+            prompt.token_ids, info.block_size, info.hash_algo, prompt.cache_salt
+        )
+        self.kv_index.expect(instance.engine_id, hashes)
 
     def _prefills_itself(self, prompt: Prompt | None, hit_tokens: int | None) -> bool:
         """Conditional disaggregation: the D lacks fewer than the threshold's prompt tokens."""
@@ -137,8 +152,9 @@ class Router:
                 key = (instance.info.block_size, instance.info.hash_algo)
                 by_hashing.setdefault(key, []).append(instance.engine_id)
         for (block_size, algo), names in by_hashing.items():
+            # The last prompt token is always computed (for its logits): never a hit.
             hashes = self.tokenizer.block_hashes(
-                prompt.token_ids, block_size, algo, prompt.cache_salt
+                prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
             )
             for name, num_blocks in self.kv_index.overlap(hashes, names).items():
                 hits[name] = num_blocks * block_size
