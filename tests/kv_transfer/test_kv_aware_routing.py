@@ -86,9 +86,7 @@ def shared_prefix_workload(seed: int, num_prefixes: int = 4, num_users: int = 3)
 def send(proxy_url: str, body: dict) -> tuple[str, int, int]:
     """(replica, predicted hit tokens, measured hit tokens) of one request through the proxy."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    with httpx.stream(
-        "POST", proxy_url + path, json=body, headers=AUTH, timeout=60
-    ) as response:
+    with httpx.stream("POST", proxy_url + path, json=body, headers=AUTH, timeout=60) as response:
         assert response.status_code == 200, response.read()
         text = response.read().decode()
         headers = response.headers
@@ -140,9 +138,7 @@ def test_a_replica_restarted_under_load_loses_no_request_and_routing_recovers(re
 
     restarter = threading.Thread(target=restart)
     restarter.start()
-    short_load(
-        [replicas.proxy.base_url], survivors, seconds=6, clients=4, dataset="shared-prefix"
-    )
+    short_load([replicas.proxy.base_url], survivors, seconds=6, clients=4, dataset="shared-prefix")
     restarter.join()
     restarted = replicas.servers[name]
     wait_healthy(restarted.base_url, restarted.process, restarted.log_path, 120)

@@ -194,6 +194,10 @@ class Instance:
             "signs": self.info.signs,
             "num_running": self.info.num_running,
             "num_waiting": self.info.num_waiting,
+            "prefix_hashing": f"{self.info.hash_algo}, block_size {self.info.block_size}"
+            if self.info.hash_algo
+            else "off",
+            "kv_events_endpoint": self.info.kv_events_endpoint or None,
             "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
         }
 
