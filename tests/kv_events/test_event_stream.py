@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -25,12 +26,8 @@ STEMS = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
 
 
 def config(**kw) -> KVEventsConfig:
-    return KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint="tcp://127.0.0.1:0",
-        replay_endpoint="tcp://127.0.0.1:0",
-        **kw,
-    )
+    addresses = {"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+    return KVEventsConfig(enable_kv_cache_events=True, **{**addresses, **kw})
 
 
 def pool_cached(mgr) -> Counter:
@@ -270,3 +267,22 @@ def test_a_restarted_publisher_is_followed_from_a_fresh_snapshot() -> None:
         second.publisher.shutdown()
     finally:
         subscriber.close()
+
+
+def test_a_bad_kv_events_config_is_a_value_error_naming_the_field() -> None:
+    for bad, field in (
+        ({"publisher": "kafka"}, "publisher"),
+        ({"endpoint": "127.0.0.1:5557"}, "endpoint"),
+        ({"replay_endpoint": "udp://x"}, "replay_endpoint"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"buffer_steps": True}, "buffer_steps"),
+        ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events"),
+        ({"endpont": "tcp://127.0.0.1:1"}, "unknown fields"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            KVEventsConfig.from_dict(bad)
+    assert not KVEventsConfig().publishes
+    assert KVEventsConfig(enable_kv_cache_events=True).publishes
+    assert not KVEventsConfig(enable_kv_cache_events=True, publisher="null").publishes
+    with pytest.raises(ValueError, match="cannot bind"):
+        KVEventPublisher(config(endpoint="tcp://192.0.2.1:1"))  # not an address of this host
