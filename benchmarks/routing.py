@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -282,11 +281,12 @@ def part_replicas(args, log_dir: Path) -> None:
     token_ids = [tokenizer.encode(p) for p in prompts]
     total = sum(len(t) for t in token_ids)
     oracle = oracle_hit_tokens(token_ids) / total
-    policies = [p for p in POLICIES if not p.startswith("sglang")]
-    if shutil.which("sglang-router") or _has_module("sglang_router"):
-        policies.append("sglang cache_aware")
-    else:
-        print("sglang-router is not installed: its row is skipped (pip install sglang-router)")
+    policies = [p for p in POLICIES if not p.startswith("sglang") and p in args.policies]
+    if "sglang" in args.policies:
+        if _has_module("sglang_router"):
+            policies.append("sglang cache_aware")
+        else:
+            print("sglang-router is not installed: its row is skipped (pip install sglang-router)")
     print(
         f"\n(a) {args.replicas} replicas, {len(prompts)} requests ({args.prefixes} prefixes x "
         f"{args.users} users, {total} prompt tokens), Poisson {args.rate}/s, "
@@ -302,6 +302,8 @@ def part_replicas(args, log_dir: Path) -> None:
     medians = {p: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for p, rs in runs.items()}
     for policy, m in medians.items():
         print(f"  {policy:>18}: " + _fmt(m, oracle))
+    if "kv_aware" not in medians or "round_robin" not in medians:
+        return
     kv, rr = medians["kv_aware"], medians["round_robin"]
     print(
         f"\n  kv_aware: {kv['hit_rate'] / oracle:.2f} of the oracle (target >= 0.9), "
@@ -413,8 +415,14 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=6.0, help="requests per second")
     parser.add_argument("--load-weight", type=float, default=32.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--policies",
+        default="round_robin,least_loaded,kv_aware,sglang",
+        help="comma-separated, of round_robin, least_loaded, kv_aware, sglang",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    args.policies = args.policies.split(",")
     print(machine_info())
     with tempfile.TemporaryDirectory(prefix="routing-bench-") as tmp:
         log_dir = Path(tmp)
