@@ -80,6 +80,7 @@ class EngineArgs:
     attention_backend: str | None = None
     kv_transfer_config: dict | None = field(default=None)
     generation_config: str = "auto"
+    kv_events_config: dict | None = field(default=None)
 
     def __post_init__(self) -> None:
         """Range checks that need no model (those that do run when the engine loads it)."""
@@ -195,6 +196,14 @@ class EngineArgs:
             metavar="{auto,vllm,DIR}",
             help="sampling defaults for requests that do not set them: auto (the model's "
             "generation_config.json), vllm (vLLM's own: temperature 1, ...) or a directory",
+        )
+        g.add_argument(
+            "--kv-events-config",
+            type=_json_dict,
+            default=None,
+            help="publish KV cache events (vLLM's), e.g. "
+            '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
+            '"endpoint":"tcp://127.0.0.1:5557","replay_endpoint":"tcp://127.0.0.1:5558"}\'',
         )
 
     @classmethod
