@@ -230,6 +230,30 @@ def test_a_cancelled_load_is_reported_once_and_p_hears_it(workers) -> None:
     assert all(torch.equal(b, c[:, [4, 5]]) for b, c in zip(before, d.kv_caches))
 
 
+def test_a_heartbeat_never_names_a_load_before_its_want_went_out(workers) -> None:
+    """D registers a load, then makes sure of the pair group, then sends the WANT. A heartbeat
+    in between once named the transfer as awaited: P, which had never heard of it, NACKed it
+    as "unknown transfer (P restarted?)" and the request failed (1P1D GET with two CPU hogs,
+    one request in 141). Until its WANT is out, a load is only named as queued."""
+    p = workers("kv_producer", "GET", name="P")
+    d = workers("kv_consumer", name="D")
+    ensure = d.peers.ensure
+
+    def slow_ensure(peer):
+        group = ensure(peer)
+        time.sleep(1.0)  # five heartbeats go out meanwhile
+        return group
+
+    d.peers.ensure = slow_ensure
+    d.inbound.on_load(load_spec("r1", "t1", p, [4, 5], 8))
+    wait_until(lambda: p.outbound.num_records == 1)
+    run_forward(p, P2pConnectorMetadata(holds=[SendSpec("rp", "t1", 8, "h", ([9, 10],), None)]))
+    wait_until(lambda: d.inbound.num_loads == 0)
+    finished = d.get_finished()
+    assert finished.finished_recving == {"r1"} and not finished.load_errors
+    assert torch.equal(d.kv_caches[0][:, [4, 5]], p.kv_caches[0][:, [9, 10]])
+
+
 def test_a_load_from_a_peer_that_refuses_our_messages_fails_fast_naming_it(workers) -> None:
     """The shared secret is set on P only: P refuses D's WANT as an authentication mismatch
     and tells D (whose listener refuses P's reply the same way). D's load fails within a

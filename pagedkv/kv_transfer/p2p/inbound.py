@@ -121,7 +121,11 @@ class InboundTransfers:
             spec.block_indices,
             rec.segments,
         )
-        self.peers.control.send(spec.remote, want)
+        sent = self.peers.control.send(spec.remote, want)
+        with self._lock:
+            if not sent:
+                self._end(rec, FAILED, "control", "could not send the WANT to P")
+            rec.want_sent = True
 
     def on_cancel(self, request_id: str, reason: str) -> None:
         """The scheduler gives up on a load (the request was aborted, or is past its deadline)."""
@@ -237,13 +241,15 @@ class InboundTransfers:
                     self._end(rec, FAILED, "deadline", f"no KV within {limit:g}s")
 
     def heartbeats(self) -> dict[PeerAddr, Heartbeat]:
-        """Per P: the transfers D awaits (renews P's leases), then those still queued."""
+        """Per P: the transfers D awaits (renews P's leases), then those still queued (waiting
+        for admission, or their WANT not out yet: P tolerates those unknown)."""
         awaited: dict[PeerAddr, list[str]] = {}
         queued: dict[PeerAddr, list[str]] = {}
         with self._lock:
             for rec in self._by_tid.values():
                 if rec.spec.remote is not None:
-                    awaited.setdefault(rec.spec.remote, []).append(rec.spec.transfer_id)
+                    named = awaited if rec.want_sent else queued
+                    named.setdefault(rec.spec.remote, []).append(rec.spec.transfer_id)
             for transfer_id, remote in self._queued.items():
                 queued.setdefault(remote, []).append(transfer_id)
         return {

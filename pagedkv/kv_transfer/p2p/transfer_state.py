@@ -90,6 +90,9 @@ class Inbound:
     posted: int = 0
     reported: bool = False
     failure: str | None = None
+    #: The WANT is queued on P's connection: from then on heartbeats name the load as awaited
+    #: (before, P has never heard of it and would refuse it as unknown).
+    want_sent: bool = False
     #: When the load started (monotonic): its deadline counts from then.
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
