@@ -39,8 +39,11 @@ def pagedkv_command(*args: str) -> list[str]:
 
 
 def subprocess_env() -> dict[str, str]:
-    """This checkout first on the path (pagedkv may be installed from another one)."""
+    """This checkout first on the path (pagedkv may be installed from another one); without
+    the Triton interpreter that tests/attention turns on for this process (a server runs the
+    production path: Triton on CUDA tensors only)."""
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
