@@ -131,13 +131,17 @@ def _peer(role: str, conn, args: dict) -> None:
         "D" if role == "P" else "P", "127.0.0.1", args["D_port" if role == "P" else "P_port"]
     )
     holder: dict = {}
+
+    def receive(begin: XferBegin) -> None:  # a handler's return value is its answer: none
+        holder["lane"].submit(begin)
+
     plane = ControlPlane(
         Codec("bench", None, 1 << 20),
         me,
         {
             Hello: lambda peer, m: holder["groups"].on_hello(peer, m),
             StoreSet: lambda peer, m: holder["groups"].on_store_set(peer, m),
-            XferBegin: lambda peer, m: holder["lane"].submit(m),
+            XferBegin: lambda peer, m: receive(m),
         },
         name=role,
     )

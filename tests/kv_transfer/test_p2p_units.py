@@ -149,6 +149,30 @@ def test_the_listener_survives_bad_input_and_keeps_serving() -> None:
         plane.close()
 
 
+def test_a_handler_answers_only_with_a_message(caplog) -> None:
+    """A handler's return value goes back on the sender's connection, so a handler that
+    returns something else (benchmarks/pd_transfer.py's returned the lane's bool) is reported
+    as the bug it is, once per message, and the listener goes on; a message is answered."""
+    address = PeerAddr("listener", "127.0.0.1", free_port())
+    handlers = {Want: lambda _, m: True, Hello: lambda _, m: Hello("answer")}
+    plane = ControlPlane(codec(), address, handlers)
+    plane.start()
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address.endpoint)
+    try:
+        dealer.send_multipart(codec().encode(WANT, ME))
+        dealer.send_multipart(codec().encode(Hello("g"), ME))
+        assert dealer.poll(5000), "no answer"
+        envelope, answer = codec().decode(dealer.recv_multipart())
+        assert answer == Hello("answer") and envelope.sender == address
+        assert "a handler returned True: only a message is answered" in caplog.text
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        plane.close()
+
+
 def test_senders_claiming_many_addresses_cost_bounded_sockets_and_threads() -> None:
     """Replies go to the address an envelope claims, and a Hello starts a pair-group setup:
     2000 spoofed senders once opened 2000 DEALERs (the process ran out of descriptors) and

@@ -198,8 +198,10 @@ class ControlPlane:
                     continue
                 routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK)
                 answer = self._dispatch(frames)
-                if answer is not None:
+                if isinstance(answer, msgspec.Struct):
                     self._answer(routing_id, answer)
+                elif answer is not None:
+                    raise TypeError(f"a handler returned {answer!r}: only a message is answered")
             except zmq.Again:
                 continue
             except zmq.ContextTerminated:
