@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
+from tests.ports import free_port
 from tests.tiny_models import CONFIGS, build_checkpoint, build_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -53,12 +53,6 @@ def run_pagedkv(*args: str, timeout: float = 120.0) -> subprocess.CompletedProce
         text=True,
         timeout=timeout,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -23,19 +23,14 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port
+
 _START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def p2p_config(role: str, engine_id: str, port: int | None = None, **extra: Any) -> dict:

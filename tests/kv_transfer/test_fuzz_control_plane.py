@@ -30,8 +30,8 @@ from pagedkv.kv_transfer.p2p.protocol import (
     PeerAddr,
     ProtocolError,
 )
-from tests.kv_transfer.engine_host import free_port
 from tests.kv_transfer.wire import raw_frames
+from tests.ports import free_port
 
 SECRET = b"fuzz-secret"
 FUZZ = settings(max_examples=200, deadline=None)

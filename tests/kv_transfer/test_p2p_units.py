@@ -44,7 +44,7 @@ from pagedkv.kv_transfer.p2p.transfer import (
     runs,
 )
 from pagedkv.kv_transfer.p2p.transfer_state import Inbound, Outbound, TransferState
-from tests.kv_transfer.engine_host import free_port
+from tests.ports import free_port
 
 SECRET = b"unit-secret"
 ME = PeerAddr("engine-a", "127.0.0.1", 1)

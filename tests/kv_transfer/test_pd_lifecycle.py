@@ -22,9 +22,10 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, free_port
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME
 from tests.kv_transfer.conftest import MAX_TOKENS, complete
 from tests.load_check import assert_at_rest
+from tests.ports import free_port
 from tests.tiny_models import random_prompt
 
 #: D gives up on a load this long after admitting it.

@@ -21,7 +21,7 @@ from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register, Regis
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
-from tests.kv_transfer.engine_host import free_port
+from tests.ports import free_port
 
 
 def fake_instance(behaviour: str, seen: list[dict]) -> FastAPI:

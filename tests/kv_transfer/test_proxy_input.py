@@ -28,7 +28,7 @@ from pagedkv.entrypoints.proxy.registry import (
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
-from tests.kv_transfer.engine_host import free_port
+from tests.ports import free_port
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}
 

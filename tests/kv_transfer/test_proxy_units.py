@@ -20,8 +20,8 @@ from pagedkv.entrypoints.proxy.registry import (
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr, ProtocolError
-from tests.kv_transfer.engine_host import free_port
 from tests.kv_transfer.wire import raw_frames
+from tests.ports import free_port
 
 SECRET = b"registry-secret"
 ME = PeerAddr("d0", "127.0.0.1", 4242)

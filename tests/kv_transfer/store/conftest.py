@@ -17,6 +17,7 @@ import redis
 from pagedkv import LLM
 from pagedkv.kv_transfer.store.config import StoreConfig
 from tests.engine.conftest import assert_all_blocks_free, checkpoint  # noqa: F401 (fixture)
+from tests.ports import free_port
 
 REDIS_SERVER = shutil.which("redis-server")
 #: Mooncake clients of the tests lend small segments (Mooncake's minimum is 16 MiB) and keep a
@@ -33,12 +34,6 @@ def require_redis_server() -> None:
     if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":
         pytest.fail(message)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -12,7 +12,8 @@ from pagedkv.kv_transfer.store.backends import StoreError, StoreUnavailable, cre
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.connector import longest_stored_prefix
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
-from tests.kv_transfer.store.conftest import backend_for, free_port
+from tests.kv_transfer.store.conftest import backend_for
+from tests.ports import free_port
 
 
 def test_batched_calls_round_trip(store_url) -> None:

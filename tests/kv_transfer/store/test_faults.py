@@ -212,7 +212,8 @@ def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
 def test_redis_lru_eviction_bounds_memory_and_evicted_blocks_are_misses(make_llm):
     """redis-server with maxmemory + allkeys-lru: the store stays bounded, and the blocks it
     evicted are recomputed by the instance that looks for them."""
-    from tests.kv_transfer.store.conftest import RedisServer, free_port, require_redis_server
+    from tests.kv_transfer.store.conftest import RedisServer, require_redis_server
+    from tests.ports import free_port
 
     require_redis_server()
     server = RedisServer(free_port(), "--maxmemory", "2mb", "--maxmemory-policy", "allkeys-lru")
