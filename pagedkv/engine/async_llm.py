@@ -108,6 +108,9 @@ class AsyncLLM:
         self._stopping = False
         #: Once stopping: the engine still steps until it holds nothing, or until this time.
         self._drain_deadline = 0.0
+        publisher = self.llm_engine.kv_event_publisher
+        if publisher is not None:  # an idle engine answers a snapshot request at once
+            publisher.wake_engine = lambda: self._commands.put(self.llm_engine.publish_kv_events)
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 

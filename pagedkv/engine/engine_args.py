@@ -69,6 +69,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     kv_transfer_config: dict | None = field(default=None)
+    kv_events_config: dict | None = field(default=None)
 
     @property
     def model_path(self) -> Path:
@@ -145,6 +146,14 @@ class EngineArgs:
             default=None,
             help="KV connector config as JSON, e.g. "
             '\'{"kv_connector":"P2pConnector","kv_role":"kv_producer"}\'',
+        )
+        g.add_argument(
+            "--kv-events-config",
+            type=_json_dict,
+            default=None,
+            help="publish KV cache events (vLLM's), e.g. "
+            '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
+            '"endpoint":"tcp://127.0.0.1:5557","replay_endpoint":"tcp://127.0.0.1:5558"}\'',
         )
 
     @classmethod

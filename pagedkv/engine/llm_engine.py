@@ -24,6 +24,8 @@ from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.kv_events.config import KVEventsConfig
+from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
 from pagedkv.utils import cdiv
@@ -82,12 +84,17 @@ class LLMEngine:
         )
         self._check_one_request_fits()
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        self.kv_events_config = KVEventsConfig.from_dict(args.kv_events_config or {})
+        publishes = self.kv_events_config.publishes and args.enable_prefix_caching
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config,
             self.max_model_len,
             enable_caching=args.enable_prefix_caching,
             max_in_flight_tokens=args.max_num_batched_tokens,
+            enable_kv_cache_events=publishes,
         )
+        #: Publishes what the prefix cache stores and evicts (``--kv-events-config``).
+        self.kv_event_publisher = KVEventPublisher(self.kv_events_config) if publishes else None
         self.block_hasher = (
             BlockHasher(
                 self.kv_cache_config.hash_block_size,
@@ -108,6 +115,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.start()
+            logger.info("KV events on %s", self.kv_event_publisher.endpoint)
         logger.info(
             "pagedkv engine: %s, %d KV cache blocks of %d tokens, max_model_len %d",
             model_path,
@@ -300,9 +310,19 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process_outputs(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.publish_kv_events()
         if scheduler_output.is_empty and not core_outputs:
             self._wait_for_transfers()
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the step's KV events to the publisher (a bounded queue: never waits), and the
+        prefix cache's hashes when a subscriber asked for a snapshot."""
+        publisher = self.kv_event_publisher
+        if publisher is None:
+            return
+        manager = self.kv_cache_manager
+        publisher.publish_step(manager.take_events(), manager.cached_block_hashes)
 
     def _wait_for_transfers(self) -> None:
         """Nothing to compute: only KV transfers are pending. Wait for one to end rather than
@@ -317,7 +337,9 @@ class LLMEngine:
         return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        reset = self.kv_cache_manager.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
 
     def get_kv_connector_stats(self) -> dict[str, int | float]:
         """Both halves' KV connector counters (exported as ``pagedkv:kv_transfer_*``). Read
@@ -329,7 +351,10 @@ class LLMEngine:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the KV connector's threads and sockets (idempotent)."""
+        """Stop the KV connector's and the KV event publisher's threads and sockets
+        (idempotent)."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         if self.model_runner.kv_connector is not None:

@@ -254,6 +254,18 @@ class BlockPool:
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
 
+    def cached_block_hashes(self) -> list[list[BlockHash]]:
+        """Per group, the hash of every cached block (twice for two blocks under one hash):
+        the state that the events taken so far lead to (one pass over the index)."""
+        return [
+            [
+                h
+                for h, cached in index.items()
+                for _ in (cached if cached.__class__ is dict else (cached,))
+            ]
+            for index in self.cached_block_hash_to_block
+        ]
+
     def check_integrity(self) -> None:
         """Assert every invariant in the module docstring (O(num_blocks), for tests)."""
         null = self.null_block

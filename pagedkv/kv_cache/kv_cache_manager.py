@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
+from pagedkv.kv_cache.block_hash import BlockHash
 from pagedkv.kv_cache.kv_cache_block import KVCacheBlock
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_coordinator import get_kv_cache_coordinator
@@ -280,6 +281,9 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[list[BlockHash]]:
+        return self.block_pool.cached_block_hashes()
 
     def check_integrity(self) -> None:
         """The pool's invariants, plus: each block's ``ref_cnt`` equals the number of request

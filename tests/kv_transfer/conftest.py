@@ -141,14 +141,19 @@ class Proxy:
         headers = {"Authorization": f"Bearer {API_KEY}"}
         return httpx.get(f"{self.base_url}/instances", headers=headers, timeout=10).json()
 
-    def wait_for_instances(self, num_prefill: int, num_decode: int, timeout_s: float = 30) -> dict:
+    def wait_for_instances(
+        self, num_prefill: int, num_decode: int, timeout_s: float = 30, num_replicas: int = 0
+    ) -> dict:
         deadline = time.monotonic() + timeout_s
         while True:
             live = self.instances()
-            if len(live["prefill"]) == num_prefill and len(live["decode"]) == num_decode:
+            counts = (len(live["prefill"]), len(live["decode"]), len(live["replica"]))
+            if counts == (num_prefill, num_decode, num_replicas):
                 return live
             if time.monotonic() > deadline:
-                pytest.fail(f"proxy sees {live}, expected {num_prefill}P{num_decode}D")
+                pytest.fail(
+                    f"proxy sees {live}, expected {num_prefill}P{num_decode}D {num_replicas}R"
+                )
             time.sleep(0.1)
 
 
@@ -175,8 +180,17 @@ class Cluster:
         self.processes.append(process)
         return process, log_path
 
-    def proxy(self, *extra: str, instance_timeout: float = 3.0, name: str = "proxy") -> Proxy:
-        port, registry_port = free_port(), free_port()
+    def proxy(
+        self,
+        *extra: str,
+        instance_timeout: float = 3.0,
+        name: str = "proxy",
+        port: int | None = None,
+        registry_port: int | None = None,
+    ) -> Proxy:
+        """Start ``pagedkv proxy`` and wait until it answers (on the given ports, or free ones:
+        a proxy restarted on its ports gets its instances back)."""
+        port, registry_port = port or free_port(), registry_port or free_port()
         process, log_path = self._spawn(
             name,
             [
@@ -218,7 +232,13 @@ class Cluster:
 
     def serve_config(self, name: str, kv_transfer_config: dict, *cli_args: str) -> Server:
         """Start ``pagedkv serve`` with any kv_transfer_config (not waiting: call ``ready``)."""
-        port = free_port()
+        return self.serve_plain(
+            name, "--kv-transfer-config", json.dumps(kv_transfer_config), *cli_args
+        )
+
+    def serve_plain(self, name: str, *cli_args: str, port: int | None = None) -> Server:
+        """Start ``pagedkv serve`` (not waiting: call ``ready``) on ``port`` or a free one."""
+        port = port or free_port()
         process, log_path = self._spawn(
             name,
             [
@@ -226,7 +246,6 @@ class Cluster:
                 "--port", str(port),
                 "--api-key", API_KEY,
                 "--served-model-name", MODEL_NAME,
-                "--kv-transfer-config", json.dumps(kv_transfer_config),
                 *cli_args,
             ],
             env={"PAGEDKV_KV_SECRET": SECRET},

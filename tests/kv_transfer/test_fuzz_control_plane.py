@@ -202,4 +202,4 @@ def test_after_the_fuzz_the_registry_holds_only_usable_instances(registry_under_
         Register(**msgspec.structs.asdict(instance.info))  # passes its own checks
     router = Router(registry, "least_loaded")
     for _ in range(5):
-        router.pick_pair()  # never raises, whatever registered
+        router.route()  # never raises, whatever registered

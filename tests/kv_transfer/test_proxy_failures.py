@@ -232,8 +232,9 @@ def test_an_attempt_cancelled_midway_cancels_both_halves():
         import httpx
 
         proxy.upstream.client = httpx.AsyncClient()
-        pair = router.pick_pair()
-        assert pair is not None
+        route = router.route()
+        assert route is not None
+        pair = (route.p, route.d)
         body = {**BODY, "stream": True}
         attempt = asyncio.create_task(proxy._attempt("/v1/completions", body, *pair, True, None))
         for _ in range(500):

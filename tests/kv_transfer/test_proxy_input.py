@@ -177,8 +177,9 @@ def test_a_decode_request_that_cannot_be_built_is_not_left_in_flight():
 
     async def attempt() -> None:
         proxy.upstream.client = httpx.AsyncClient()
-        pair = router.pick_pair()
-        assert pair is not None
+        route = router.route()
+        assert route is not None
+        pair = (route.p, route.d)
         body = {"prompt": float("nan")}
         try:
             with pytest.raises(ValueError, match="JSON compliant"):

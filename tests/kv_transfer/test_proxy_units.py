@@ -57,8 +57,8 @@ def test_round_robin_cycles_through_each_role() -> None:
         + [instance(n, "kv_consumer") for n in ("d0", "d1")]
     )
     router = Router(registry, "round_robin")  # type: ignore[arg-type]
-    pairs = [router.pick_pair() for _ in range(6)]
-    assert [(p.engine_id, d.engine_id) for p, d in pairs] == [
+    routes = [router.route() for _ in range(6)]
+    assert [(r.p.engine_id, r.d.engine_id) for r in routes] == [
         ("p0", "d0"), ("p1", "d1"), ("p2", "d0"), ("p0", "d1"), ("p1", "d0"), ("p2", "d1"),
     ]  # fmt: skip
 
@@ -69,11 +69,11 @@ def test_least_loaded_prefers_fewest_in_flight_then_reported_load() -> None:
         + [instance("d0", "kv_consumer"), instance("d1", "kv_consumer")]
     )
     router = Router(registry, "least_loaded")  # type: ignore[arg-type]
-    p, d = router.pick_pair()
+    d, p, _ = router.route()
     assert (p.engine_id, d.engine_id) == ("p1", "d0")
     router.acquire(d)
     router.acquire(p)
-    p, d = router.pick_pair()
+    d, p, _ = router.route()
     assert (p.engine_id, d.engine_id) == ("p0", "d1")  # p1 now has one in flight
     router.release(p)
 
@@ -85,9 +85,9 @@ def test_only_compatible_instances_pair_and_failed_ones_are_skipped() -> None:
     )
     router = Router(registry, "round_robin")  # type: ignore[arg-type]
     for _ in range(4):
-        p, d = router.pick_pair()
+        d, p, _ = router.route()
         assert p.info.fingerprint == d.info.fingerprint and p.engine_id != d.engine_id
-    assert router.pick_pair(exclude={"p1"}) is None  # d0 needs fingerprint "fp": only p1
+    assert router.route(exclude={"p1"}) is None  # d0 needs fingerprint "fp": only p1
     with pytest.raises(ValueError, match="routing"):
         Router(registry, "random")  # type: ignore[arg-type]
 
@@ -194,9 +194,10 @@ def test_no_instance_is_a_clear_503(lone_proxy) -> None:
     auth = {"Authorization": "Bearer k"}
     r = lone_proxy.post("/v1/completions", json={"prompt": "w1", "max_tokens": 2}, headers=auth)
     assert r.status_code == 503
-    assert "no prefill/decode instance pair is available" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert "no instance is available: 0 prefill, 0 decode and 0 replica" in message
     assert lone_proxy.get("/v1/models", headers=auth).status_code == 503
-    assert lone_proxy.get("/health").json() == {"prefill": 0, "decode": 0}
+    assert lone_proxy.get("/health").json() == {"replica": 0, "prefill": 0, "decode": 0}
 
 
 def test_the_proxy_checks_its_api_key_and_the_body(lone_proxy) -> None:

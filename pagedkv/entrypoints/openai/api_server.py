@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import time
+import uuid
 from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -36,7 +37,7 @@ from pagedkv.entrypoints.openai.protocol import (
 )
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedkv.entrypoints.proxy.registry import Register, RegistrationClient
+from pagedkv.entrypoints.proxy.registry import PLAIN_ROLE, Register, RegistrationClient
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 
@@ -133,11 +134,13 @@ def run_server(args: argparse.Namespace) -> None:
     served_model_name = args.served_model_name or engine_args.model_path.name
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
-    registration = None
     engine = async_llm.llm_engine
     if engine.model_runner.kv_connector is not None:
         registry.register(KVTransferCollector(engine.get_kv_connector_stats, served_model_name))
-        registration = start_registration(async_llm, args, served_model_name)
+    if engine.kv_event_publisher is not None:
+        stats = engine.kv_event_publisher.get_stats
+        registry.register(KVTransferCollector(stats, served_model_name, "kv_events"))
+    registration = start_registration(async_llm, args, served_model_name)
     app = build_app(
         async_llm,
         served_model_name,
@@ -175,23 +178,35 @@ def run_server(args: argparse.Namespace) -> None:
 def start_registration(
     async_llm: AsyncLLM, args: argparse.Namespace, served_model_name: str
 ) -> RegistrationClient | None:
-    """With ``kv_connector_extra_config.proxy_ip``/``proxy_port``, announce this instance to
-    a ``pagedkv proxy`` (heartbeats every ``proxy_heartbeat_s``, default 2 s)."""
+    """With ``--registry HOST:PORT`` (or, with the P2P connector,
+    ``kv_connector_extra_config.proxy_ip``/``proxy_port``), announce this instance to a
+    ``pagedkv proxy`` (heartbeats every ``proxy_heartbeat_s``, default 2 s)."""
     engine = async_llm.llm_engine
     kv = engine.kv_transfer_config
-    assert kv is not None
-    extra = kv.kv_connector_extra_config
-    if "proxy_ip" not in extra or "proxy_port" not in extra:
+    extra = kv.kv_connector_extra_config if kv is not None else {}
+    if args.registry is not None:
+        proxy_host, _, proxy_port = args.registry.rpartition(":")
+    elif "proxy_ip" in extra and "proxy_port" in extra:
+        proxy_host, proxy_port = extra["proxy_ip"], extra["proxy_port"]
+    else:
         return None
     secret = extra.get("shared_secret") or os.environ.get(SECRET_ENV)
-    host = args.host if args.host not in ("", "0.0.0.0", "::") else kv.kv_ip
+    host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    if kv is not None and kv.kv_connector == "P2pConnector":
+        role, me = kv.kv_role, PeerAddr(kv.engine_id, kv.kv_ip, kv.kv_port)
+        host = host if args.host not in ("", "0.0.0.0", "::") else kv.kv_ip
+    else:  # served whole: the HTTP address names it
+        role, me = PLAIN_ROLE, PeerAddr(f"{host}:{args.port}", host, args.port)
     http_url = f"http://{host}:{args.port}"
     fingerprint, kv_layout = engine.model_fingerprint(), engine.kv_layout()
+    caching = engine.block_hasher is not None
+    publisher = engine.kv_event_publisher
+    boot_id = uuid.uuid4().hex
 
     def describe() -> Register:
         stats = engine.scheduler.stats  # plain ints written by the engine thread
         return Register(
-            role=kv.kv_role,
+            role=role,
             http_url=http_url,
             model=served_model_name,
             fingerprint=fingerprint,
@@ -199,16 +214,39 @@ def start_registration(
             num_waiting=stats.num_waiting_reqs,
             kv_layout=kv_layout,
             signs=bool(secret),
+            hash_algo=engine.cache_config.prefix_caching_hash_algo if caching else "",
+            block_size=engine.kv_cache_config.hash_block_size if caching else 0,
+            num_kv_cache_groups=len(engine.kv_cache_config.kv_cache_groups),
+            kv_events_endpoint=_reachable(publisher.endpoint, host) if publisher else "",
+            kv_events_replay_endpoint=(
+                _reachable(publisher.replay_endpoint, host)
+                if publisher and publisher.replay_endpoint
+                else ""
+            ),
+            kv_events_topic=engine.kv_events_config.topic,
+            boot_id=boot_id,
         )
 
-    client = RegistrationClient(
-        extra["proxy_ip"],
-        int(extra["proxy_port"]),
-        PeerAddr(kv.engine_id, kv.kv_ip, kv.kv_port),
-        describe,
-        secret.encode() if secret else None,
-        float(extra.get("proxy_heartbeat_s", 2.0)),
-    )
+    try:
+        client = RegistrationClient(
+            proxy_host,
+            int(proxy_port),
+            me,
+            describe,
+            secret.encode() if secret else None,
+            float(extra.get("proxy_heartbeat_s", 2.0)),
+        )
+        describe()  # a registration the proxy would refuse fails here, at startup
+    except ValueError as e:
+        raise ValueError(f"--registry {proxy_host}:{proxy_port}: {e}") from None
     client.start()
-    logger.info("registering with the proxy at %s:%s", extra["proxy_ip"], extra["proxy_port"])
+    logger.info("registering as %s with the proxy at %s:%s", role, proxy_host, proxy_port)
     return client
+
+
+def _reachable(endpoint: str, host: str) -> str:
+    """A bound ``tcp://0.0.0.0:PORT`` (any interface) as the address peers connect to."""
+    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint.removeprefix(wildcard)}"
+    return endpoint

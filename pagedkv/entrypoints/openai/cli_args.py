@@ -39,6 +39,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "aborted with an error (default: %(default)s)",
     )
     g.add_argument(
+        "--registry",
+        default=None,
+        metavar="HOST:PORT",
+        help="register with a pagedkv proxy's registry (heartbeats; its role, model, prefix "
+        "hashing and KV events endpoint): a replica without the P2P connector, a P or D with it",
+    )
+    g.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],

@@ -101,18 +101,24 @@ class PrometheusStatLogger:
 
 
 class KVTransferCollector:
-    """A KV connector's counters (``get_kv_connector_stats``), read at each scrape:
-    ``pagedkv:kv_transfer_<name>`` (counters for ``num_*``, gauges otherwise)."""
+    """A KV connector's counters (``get_kv_connector_stats``), or another component's, read at
+    each scrape: ``pagedkv:<prefix>_<name>`` (counters for ``num_*``, gauges otherwise)."""
 
-    def __init__(self, stats: Callable[[], dict[str, int | float]], model_name: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, int | float]],
+        model_name: str,
+        prefix: str = "kv_transfer",
+    ) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self._stats().items()):
             family = CounterMetricFamily if name.startswith("num_") else GaugeMetricFamily
             metric = family(
-                f"pagedkv:kv_transfer_{name}", f"KV transfer: {name}", labels=["model_name"]
+                f"pagedkv:{self._prefix}_{name}", f"{self._prefix}: {name}", labels=["model_name"]
             )
             metric.add_metric([self._model_name], value)
             yield metric

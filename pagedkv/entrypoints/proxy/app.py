@@ -1,6 +1,7 @@
-"""``pagedkv proxy``: the OpenAI-compatible front end of a P/D deployment (``PDProxy`` does the
-routing and retrying), its ``/instances`` and ``/health``, and the process that runs it (drained
-on SIGTERM)."""
+"""``pagedkv proxy``: the OpenAI-compatible front end of replicas and P/D pairs (``PDProxy``
+does the routing and retrying), its ``/instances``, ``/health`` and ``/metrics``, and the
+process that runs it (drained on SIGTERM). Under ``kv_aware`` routing it follows every
+instance's KV events (``KVEventSubscriber``) into the ``KVIndex`` the router reads."""
 
 from __future__ import annotations
 
@@ -13,27 +14,62 @@ from http import HTTPStatus
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.proxy.kv_index import KVIndex
+from pagedkv.entrypoints.proxy.metrics import ProxyMetrics
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
+from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
+from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
 
+def follow_kv_events(registry: InstanceRegistry, index: KVIndex) -> KVEventSubscriber:
+    """A subscriber that follows each registered instance's KV events into ``index``: from
+    scratch when it joins or comes back as a new process, dropped when it leaves."""
+    subscriber = KVEventSubscriber(index)
+
+    def joined(instance: Instance) -> None:
+        info = instance.info
+        index.set_num_groups(instance.engine_id, info.num_kv_cache_groups)
+        if info.kv_events_endpoint:
+            address = FeedAddress(
+                info.kv_events_endpoint,
+                info.kv_events_replay_endpoint or None,
+                info.kv_events_topic,
+            )
+            subscriber.follow(instance.engine_id, address)
+        else:
+            subscriber.forget(instance.engine_id)
+
+    registry.on_joined = joined
+    registry.on_left = subscriber.forget
+    return subscriber
+
+
 def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyConfig) -> FastAPI:
     """The proxy's app; its ``PDProxy`` is ``app.state.proxy``."""
-    proxy = PDProxy(registry, router, config)
+    metrics = ProxyMetrics()
+    proxy = PDProxy(registry, router, config, metrics)
     registry.pairing_note = router.pairing_note
+    index = router.kv_index
+    subscriber = follow_kv_events(registry, index) if index is not None else None
+    if subscriber is not None:
+        metrics.watch_index(index.num_cached_blocks, lambda: dict(subscriber.stats))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        if subscriber is not None:
+            subscriber.start()
         registry.start()
         proxy.upstream.client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
         try:
@@ -41,6 +77,8 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
         finally:
             await proxy.upstream.client.aclose()
             registry.close()
+            if subscriber is not None:
+                subscriber.close()
 
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
@@ -72,10 +110,19 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
         live = registry.live()
 
         def describe(instance: Instance) -> dict:
-            return {**instance.describe(), "pairing": router.pairing_note(instance) or "ok"}
+            described = {**instance.describe(), "pairing": router.pairing_note(instance) or "ok"}
+            if subscriber is not None:
+                assert index is not None
+                feed = subscriber.stats.get(instance.engine_id)
+                described["kv_index"] = {
+                    "cached_blocks": index.num_cached_blocks(instance.engine_id),
+                    **(feed.describe() if feed is not None else {"state": "no KV events"}),
+                }
+            return described
 
         return JSONResponse(
             {
+                "replica": [describe(i) for i in live if i.is_replica],
                 "prefill": [describe(i) for i in live if i.is_prefill],
                 "decode": [describe(i) for i in live if i.is_decode],
                 "refused": registry.refused(),
@@ -91,10 +138,15 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
         live = registry.live()
         return JSONResponse(
             {
+                "replica": sum(i.is_replica for i in live),
                 "prefill": sum(i.is_prefill for i in live),
                 "decode": sum(i.is_decode for i in live),
             }
         )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(OpenAIError)
     async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
@@ -128,7 +180,18 @@ def run_proxy(args) -> None:
         max_attempts=args.max_attempts,
         fallback=args.fallback,
     )
-    app = build_proxy_app(registry, Router(registry, args.routing), config)
+    tokenizer = None
+    if args.routing == "kv_aware" or args.disagg_threshold:
+        tokenizer = PromptTokenizer(args.tokenizer)
+    router = Router(
+        registry,
+        args.routing,
+        kv_index=KVIndex() if args.routing == "kv_aware" else None,
+        tokenizer=tokenizer,
+        load_weight=args.load_weight,
+        disagg_threshold=args.disagg_threshold,
+    )
+    app = build_proxy_app(registry, router, config)
     server = DrainingServer(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
         args.shutdown_timeout,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedkv.entrypoints.bench.datasets import positive_float, positive_int
+from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+from pagedkv.entrypoints.bench.datasets import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
@@ -26,7 +32,33 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--registry-port", type=int, default=30001, help="registry port (default: %(default)s)"
     )
-    g.add_argument("--routing", default="round_robin", choices=ROUTING_POLICIES)
+    g.add_argument(
+        "--routing",
+        default="round_robin",
+        choices=ROUTING_POLICIES,
+        help="kv_aware: the instance (and P) with the fewest uncached prompt tokens plus "
+        "--load-weight x its load, from the instances' KV events (default: %(default)s)",
+    )
+    g.add_argument(
+        "--load-weight",
+        type=non_negative_float,
+        default=32.0,
+        help="kv_aware: prompt tokens one request in flight at an instance is worth "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--disagg-threshold",
+        type=non_negative_int,
+        default=0,
+        help="a decode instance that lacks fewer than N prompt tokens prefills them itself, "
+        "without a prefill instance (default: 0, always disaggregate)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=str(DEFAULT_MODEL_PATH),
+        help="the instances' tokenizer, for kv_aware and --disagg-threshold (default: the "
+        "built-in model's)",
+    )
     g.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDKV_PROXY_API_KEY"),

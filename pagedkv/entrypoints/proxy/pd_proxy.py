@@ -1,6 +1,10 @@
-"""PDProxy: each client request split between a P and a D, retried until it has an answer.
+"""PDProxy: each client request sent to one instance, or split between a P and a D, retried
+until it has an answer.
 
-Per request (concurrent dispatch: no extra round trip before D starts)::
+The router (``router.py``) names the instance that answers and, for a D, its P. A replica, or
+a D that prefills the request itself (conditional disaggregation, ``--fallback local``), gets
+the request as sent. A P/D pair, per request (concurrent dispatch: no extra round trip before
+D starts)::
 
     transfer_id = a fresh uuid (the proxy's own: never derived from request ids)
     P  <- the request, max_tokens=1, stream=false, kv_transfer_params={do_remote_decode,
@@ -24,9 +28,12 @@ of D's answer reaches the client, a failed P or D costs only a retry with a fres
            alone, which prefills it itself (so does a request with no pair left but a D)
 
 An instance that refused the connection is dropped from the registry until its next heartbeat.
-After the first byte, a failure ends the stream with an error event. No live pair, or every
-attempt failed: 503 saying why. A 4xx from either side is the client's error and is returned as
-is (the other half is cancelled). An attempt cancelled midway cancels both halves.
+After the first byte, a failure ends the stream with an error event. Nobody left to answer, or
+every attempt failed: 503 saying why. The answer carries ``x-pagedkv-instance`` (who answered),
+``x-pagedkv-prefill-instance`` (its P, if any) and, under ``kv_aware`` routing,
+``x-pagedkv-predicted-hit-tokens`` (the prompt tokens the index said it had cached). A 4xx
+from either side is the client's error and is returned as is (the other half is cancelled). An
+attempt cancelled midway cancels both halves.
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ import httpx
 from fastapi import Request, Response
 
 from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.proxy.metrics import ProxyMetrics, cached_tokens
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
-from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.proxy.router import Route, Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig, Upstream, UpstreamError
 from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams
 
@@ -50,10 +58,17 @@ logger = logging.getLogger(__name__)
 
 
 class PDProxy:
-    def __init__(self, registry: InstanceRegistry, router: Router, config: ProxyConfig) -> None:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        router: Router,
+        config: ProxyConfig,
+        metrics: ProxyMetrics | None = None,
+    ) -> None:
         self.registry = registry
         self.router = router
         self.config = config
+        self.metrics = metrics or ProxyMetrics()
         self.upstream = Upstream(router, config)
         #: Set when a shutting-down proxy gives up on what is still in flight (with why).
         self.abort_reason: str | None = None
@@ -83,34 +98,41 @@ class PDProxy:
             ) from None
         stream = bool(body.get("stream"))
         client_id = raw_request.headers.get("X-Request-Id")
+        prompt = self.router.read_prompt(path, body)
+        if prompt is not None:
+            self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         failed: set[str] = set()
         closed_once: set[str] = set()
         reasons: list[str] = []
         local = False
         for attempt in range(self.config.max_attempts):
-            pair = None if local else self.router.pick_pair(failed)
-            if pair is None and self.config.fallback == "local":
-                decoder, local = self.router.pick_decode(failed), True
-                pair = None if decoder is None else (None, decoder)
-            if pair is None:
+            route = self.router.route(prompt, failed, alone=local)
+            if route is None and self.config.fallback == "local" and not local:
+                route, local = self.router.route(prompt, failed, alone=True), True
+            if route is None:
                 break
             decode_id = client_id if attempt == 0 else f"{client_id}-retry{attempt}"
             try:
-                return await self._attempt(path, body, *pair, stream, client_id and decode_id)
+                return await self._attempt(
+                    path, body, route.p, route.d, stream, client_id and decode_id, route
+                )
             except UpstreamError as e:
                 if e.client_error is not None:
                     return e.client_error
                 logger.warning("attempt %d failed, retrying: %s", attempt + 1, e)
                 reasons.append(str(e))
-                blamed = pair[0] if e.kv_load and pair[0] is not None else e.instance
+                blamed = route.p if e.kv_load and route.p is not None else e.instance
                 if e.closed and blamed.engine_id not in closed_once:
                     closed_once.add(blamed.engine_id)  # once more, on a fresh connection
                 else:
                     failed.add(blamed.engine_id)
                 if e.unreachable:
                     self.registry.evict(e.instance.engine_id, str(e))
-                local = self.config.fallback == "local" and blamed is pair[0]
-        message = "no prefill/decode instance pair is available"
+                local = self.config.fallback == "local" and blamed is route.p
+        pd = any(i.is_decode for i in self.registry.live())
+        message = (
+            "no prefill/decode instance pair is available" if pd else "no instance is available"
+        )
         if reasons:
             message = f"{message}: every attempt failed ({'; '.join(reasons)})"
         else:
@@ -125,8 +147,9 @@ class PDProxy:
         d: Instance,
         stream: bool,
         decode_id: str | None,
+        route: Route | None = None,
     ) -> Response:
-        """One try: P and D concurrently, or (``p`` None: the local fallback) D alone."""
+        """One try: P and D concurrently, or (``p`` None) D alone."""
         transfer_id = uuid.uuid4().hex
         decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         p_task = None
@@ -167,7 +190,22 @@ class PDProxy:
             if opened.response.status_code != 200:
                 p_task.cancel()  # D refused the request: nobody will pull P's KV
             p_task.add_done_callback(_log_late_prefill_failure)
-        return self.upstream.relay(d, opened, lambda: self.abort_reason)
+        self.metrics.requests.labels("whole" if p is None else "disaggregated").inc()
+        headers = {"x-pagedkv-instance": d.engine_id}
+        if p is not None:
+            headers["x-pagedkv-prefill-instance"] = p.engine_id
+        on_answer = None
+        predicted = None if route is None else route.predicted_hit_tokens
+        if predicted is not None:
+            headers["x-pagedkv-predicted-hit-tokens"] = str(predicted)
+            if p is None:
+
+                def on_answer(body: bytes) -> None:
+                    realized = cached_tokens(body)
+                    if realized is not None:
+                        self.metrics.observe_hit(predicted, realized)
+
+        return self.upstream.relay(d, opened, lambda: self.abort_reason, headers, on_answer)
 
     @staticmethod
     def _prefill_body(body: dict, d: Instance, transfer_id: str) -> dict:

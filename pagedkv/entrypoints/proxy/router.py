@@ -1,71 +1,203 @@
-"""Routing: which P and which D serve a request (any number of each, xPyD).
+"""Routing: which instance answers a request, and which P prefills it (any number of each).
 
-A pair is a decode instance and a prefill instance with the same model fingerprint (KV moves
-only between equals). ``round_robin`` cycles through each role's live instances;
-``least_loaded`` picks the fewest requests this proxy has in flight there, then the fewest the
-instance reported running and waiting in its last heartbeat. Instances that already failed
-this request are skipped, so a retry lands elsewhere. When no pair is left, ``why_no_pair``
-says why (a role missing, or the fingerprints that do not match, with their KV layouts);
+Instances that answer: replicas (``plain``: no P2P connector, data parallel) and decode
+instances. A decode instance is paired with a prefill instance of the same model fingerprint
+(KV moves only between equals); a replica, or a D told to prefill itself, answers alone. The
+answering instance is chosen first, then its P:
+
+``round_robin``  cycles through the answering instances, then through that D's Ps;
+``least_loaded`` the fewest requests this proxy has in flight there, then the fewest the
+                 instance reported running and waiting in its last heartbeat;
+``kv_aware``     the lowest cost = the prompt tokens the instance lacks (its cached prefix
+                 from ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and
+                 waiting + this proxy's in flight), ties broken at random. D is chosen by its
+                 own cached prefix (D asks P only for the blocks it lacks), P by its own.
+
+Conditional disaggregation (``disagg_threshold`` N > 0): a D that lacks fewer than N prompt
+tokens prefills them itself, with no P. Instances that already failed this request are
+skipped, so a retry lands elsewhere. When nothing is left, ``why_no_pair`` says why;
 ``pairing_note`` says it of one instance (shown in ``/instances`` and told at registration).
 """
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
+from collections.abc import Collection
+from typing import NamedTuple
 
+from pagedkv.entrypoints.proxy.kv_index import KVIndex
+from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 
-ROUTING_POLICIES = ("round_robin", "least_loaded")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
+
+
+class Prompt(NamedTuple):
+    """What the router knows of a request's prompt."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class Route(NamedTuple):
+    """``d`` answers; ``p`` (None: nobody) prefills for it. ``predicted_hit_tokens``: the
+    prompt tokens ``d``'s prefix cache should serve, when the router looked (kv_aware)."""
+
+    d: Instance
+    p: Instance | None = None
+    predicted_hit_tokens: int | None = None
 
 
 class Router:
-    def __init__(self, registry: InstanceRegistry, policy: str = "round_robin") -> None:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        policy: str = "round_robin",
+        *,
+        kv_index: KVIndex | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        load_weight: float = 32.0,
+        disagg_threshold: int = 0,
+        seed: int | None = None,
+    ) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
+        if policy == "kv_aware" and (kv_index is None or tokenizer is None):
+            raise ValueError("kv_aware routing needs a KV index and the model's tokenizer")
+        if disagg_threshold and tokenizer is None:
+            raise ValueError("--disagg-threshold needs the model's tokenizer")
         self.registry = registry
         self.policy = policy
+        self.kv_index = kv_index
+        self.tokenizer = tokenizer
+        self.load_weight = load_weight
+        self.disagg_threshold = disagg_threshold
         self.in_flight: Counter[str] = Counter()
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._random = random.Random(seed)
 
-    def _order(self, instances: list[Instance], role: str) -> list[Instance]:
+    @property
+    def needs_prompt(self) -> bool:
+        return self.tokenizer is not None
+
+    def read_prompt(self, path: str, body: dict) -> Prompt | None:
+        """The request's prompt as the instances will tokenize it (None: unknown)."""
+        if self.tokenizer is None:
+            return None
+        token_ids = self.tokenizer.token_ids(path, body)
+        if not token_ids:
+            return None
+        salt = body.get("cache_salt")
+        return Prompt(token_ids, salt if isinstance(salt, str) and salt else None)
+
+    # ------------------------------------------------------------------ choosing
+    def route(
+        self,
+        prompt: Prompt | None = None,
+        exclude: Collection[str] = frozenset(),
+        alone: bool = False,
+    ) -> Route | None:
+        """Who serves one request (``alone``: no P), or None when nobody can."""
+        live = [i for i in self.registry.live() if i.engine_id not in exclude]
+        answerers = [i for i in live if i.answers]
+        hits = self._hit_tokens(prompt, answerers)
+        for d in self._rank(answerers, "decode", prompt, hits):
+            predicted = hits.get(d.engine_id)
+            if d.is_replica or alone or self._prefills_itself(prompt, predicted):
+                self._expect(prompt, d)
+                return Route(d, None, predicted)
+            compatible = [
+                p
+                for p in live
+                if p.is_prefill
+                and p.info.fingerprint == d.info.fingerprint
+                and p.engine_id != d.engine_id
+            ]
+            if compatible:
+                p_hits = self._hit_tokens(prompt, compatible)
+                p = self._rank(compatible, "prefill", prompt, p_hits)[0]
+                self._expect(prompt, d)
+                self._expect(prompt, p)
+                return Route(d, p, predicted)
+        return None
+
+    def _expect(self, prompt: Prompt | None, instance: Instance) -> None:
+        """The prompt's full blocks will be cached at ``instance`` soon (kv_aware)."""
+        if self.policy != "kv_aware" or prompt is None or not instance.info.hash_algo:
+            return
+        assert self.kv_index is not None and self.tokenizer is not None
+        info = instance.info
+        hashes = self.tokenizer.block_hashes(
+            prompt.token_ids, info.block_size, info.hash_algo, prompt.cache_salt
+        )
+        self.kv_index.expect(instance.engine_id, hashes)
+
+    def _prefills_itself(self, prompt: Prompt | None, hit_tokens: int | None) -> bool:
+        """Conditional disaggregation: the D lacks fewer than the threshold's prompt tokens."""
+        if not self.disagg_threshold or prompt is None:
+            return False
+        return len(prompt.token_ids) - (hit_tokens or 0) < self.disagg_threshold
+
+    def _hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
+        """Each instance's cached prefix of the prompt, in tokens (kv_aware only)."""
+        if self.policy != "kv_aware" or prompt is None:
+            return {}
+        assert self.kv_index is not None and self.tokenizer is not None
+        hits: dict[str, int] = {i.engine_id: 0 for i in instances}
+        by_hashing: dict[tuple[int, str], list[str]] = {}
+        for instance in instances:
+            if instance.info.hash_algo:
+                key = (instance.info.block_size, instance.info.hash_algo)
+                by_hashing.setdefault(key, []).append(instance.engine_id)
+        for (block_size, algo), names in by_hashing.items():
+            # The last prompt token is always computed (for its logits): never a hit.
+            hashes = self.tokenizer.block_hashes(
+                prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
+            )
+            for name, num_blocks in self.kv_index.overlap(hashes, names).items():
+                hits[name] = num_blocks * block_size
+        return hits
+
+    def _rank(
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, int],
+    ) -> list[Instance]:
+        """``instances``, best first, by the policy."""
         instances = sorted(instances, key=lambda i: i.engine_id)
         if not instances:
             return instances
         if self.policy == "round_robin":
             start = next(self._turns[role]) % len(instances)
             return instances[start:] + instances[:start]
+        if self.policy == "kv_aware" and prompt is not None:
+            self._random.shuffle(instances)  # ties at random: the sort below is stable
+            num_tokens = len(prompt.token_ids)
+            return sorted(instances, key=lambda i: self.cost(i, num_tokens, hits))
         return sorted(
             instances,
             key=lambda i: (self.in_flight[i.engine_id], i.info.num_running + i.info.num_waiting),
         )
 
-    def pick_pair(
-        self, exclude: set[str] | frozenset[str] = frozenset()
-    ) -> tuple[Instance, Instance] | None:
-        """(P, D) for one request, or None when no live, compatible pair is left."""
-        live = [i for i in self.registry.live() if i.engine_id not in exclude]
-        decoders = self._order([i for i in live if i.is_decode], "decode")
-        prefillers = [i for i in live if i.is_prefill]
-        for decoder in decoders:
-            compatible = [
-                p
-                for p in prefillers
-                if p.info.fingerprint == decoder.info.fingerprint
-                and p.engine_id != decoder.engine_id
-            ]
-            if compatible:
-                return self._order(compatible, "prefill")[0], decoder
-        return None
+    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
+        """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
+        return num_tokens - hits.get(instance.engine_id, 0) + self.load_weight * self.load(instance)
 
-    def pick_decode(self, exclude: set[str] | frozenset[str] = frozenset()) -> Instance | None:
-        """A decode instance for a request it prefills itself (the local fallback)."""
-        live = [i for i in self.registry.live() if i.is_decode and i.engine_id not in exclude]
-        ordered = self._order(live, "decode")
-        return ordered[0] if ordered else None
+    def load(self, instance: Instance) -> int:
+        """Requests at ``instance``: in its last heartbeat, plus this proxy's in flight."""
+        info = instance.info
+        return info.num_running + info.num_waiting + self.in_flight[instance.engine_id]
 
+    # ------------------------------------------------------------------ explaining
     def pairing_note(self, instance: Instance) -> str | None:
-        """Why ``instance`` cannot be paired with any live instance now (None: it can)."""
+        """Why ``instance`` cannot be paired with any live instance now (None: it can, or it
+        is a replica, which is never paired)."""
+        if instance.is_replica:
+            return None
         others = [i for i in self.registry.live() if i.engine_id != instance.engine_id]
         wanted = "prefill" if instance.is_decode else "decode"
         peers = [i for i in others if (i.is_prefill if wanted == "prefill" else i.is_decode)]
@@ -79,13 +211,16 @@ class Router:
             + "; ".join(f"{p.engine_id} ({_layout(p)})" for p in peers[:4])
         )
 
-    def why_no_pair(self, exclude: set[str] | frozenset[str] = frozenset()) -> str:
-        """Why ``pick_pair(exclude)`` found nothing, for the 503."""
+    def why_no_pair(self, exclude: Collection[str] = frozenset()) -> str:
+        """Why ``route(exclude=exclude)`` found nothing, for the 503."""
         live = self.registry.live()
         decoders = [i for i in live if i.is_decode]
         prefillers = [i for i in live if i.is_prefill]
         if not decoders or not prefillers:
-            return f"{len(prefillers)} prefill and {len(decoders)} decode instances are registered"
+            return (
+                f"{len(prefillers)} prefill, {len(decoders)} decode and "
+                f"{sum(i.is_replica for i in live)} replica instances are registered"
+            )
         usable = [i for i in live if i.engine_id not in exclude]
         if exclude and len(usable) < len(live):
             failed = ", ".join(sorted(exclude))
@@ -94,8 +229,9 @@ class Router:
         notes = [f"{d.engine_id}: {self.pairing_note(d)}" for d in decoders]
         return "no decode instance has a compatible prefill instance: " + " | ".join(notes)
 
+    # ------------------------------------------------------------------ accounting
     def acquire(self, instance: Instance) -> None:
-        """Count a request in flight at ``instance`` (for least_loaded) until ``release``."""
+        """Count a request in flight at ``instance`` (for the load) until ``release``."""
         self.in_flight[instance.engine_id] += 1
 
     def release(self, instance: Instance) -> None:

@@ -45,6 +45,8 @@ class ProxyConfig:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
 
 
+#: What ``relay`` keeps of a stream's end for ``on_answer`` (its usage chunk is there).
+_TAIL_BYTES = 4096
 #: Connection errors that mean "closed before any answer": retried on a fresh connection.
 _CLOSED_EARLY = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
@@ -192,24 +194,38 @@ class Upstream:
             raise
 
     def relay(
-        self, d: Instance, opened: Opened, abort_reason: Callable[[], str | None]
+        self,
+        d: Instance,
+        opened: Opened,
+        abort_reason: Callable[[], str | None],
+        headers: dict[str, str] | None = None,
+        on_answer: Callable[[bytes], None] | None = None,
     ) -> Response:
-        """D's answer to the client; a stream ends early with an error event once
-        ``abort_reason()`` says why (the proxy is shutting down)."""
+        """D's answer to the client, with ``headers``; a stream ends early with an error event
+        once ``abort_reason()`` says why (the proxy is shutting down). ``on_answer`` is given a
+        complete answer's body (of a stream: its last ``_TAIL_BYTES``, where usage is)."""
         response = opened.response
         media_type = response.headers.get("content-type")
+        ok = response.status_code == 200
         if opened.chunks is None:
             self.router.release(d)
-            return Response(opened.first, response.status_code, media_type=media_type)
+            if on_answer is not None and ok:
+                on_answer(opened.first)
+            return Response(opened.first, response.status_code, headers, media_type=media_type)
 
         async def relay() -> AsyncIterator[bytes]:
+            tail = b""
             try:
                 yield opened.first
+                tail = opened.first[-_TAIL_BYTES:]
                 async for chunk in opened.chunks:  # type: ignore[union-attr]
                     if (reason := abort_reason()) is not None:
                         yield sse_error(reason, HTTPStatus.SERVICE_UNAVAILABLE)
                         return
                     yield chunk
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
+                if on_answer is not None and ok:
+                    on_answer(tail)
             except httpx.HTTPError as e:
                 logger.warning("decode %s failed mid-stream: %s", d.engine_id, e)
                 yield sse_error(f"the decode instance failed mid-stream: {type(e).__name__}")
@@ -217,4 +233,6 @@ class Upstream:
                 await response.aclose()
                 self.router.release(d)
 
-        return StreamingResponse(relay(), status_code=response.status_code, media_type=media_type)
+        return StreamingResponse(
+            relay(), status_code=response.status_code, headers=headers, media_type=media_type
+        )

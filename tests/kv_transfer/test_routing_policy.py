@@ -1,0 +1,155 @@
+"""The router's choices, in one process: replicas, kv_aware costs and ties, P/D by each side's
+own cached prefix, and conditional disaggregation. The KV index is fed real wire events and
+the prompts are tokenized and hashed by the proxy's real tokenizer path."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from pagedkv.entrypoints.proxy.kv_index import KVIndex
+from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
+from pagedkv.entrypoints.proxy.registry import Instance, Register
+from pagedkv.entrypoints.proxy.router import Prompt, Router
+from pagedkv.kv_cache.block_hash import BlockHasher
+from pagedkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from tests.kv_transfer.test_proxy_units import FakeRegistry
+
+BS = 16
+
+
+def instance(name: str, role: str = "plain", running: int = 0, fingerprint: str = "fp"):
+    info = Register(
+        role, "http://127.0.0.1:1", "m", fingerprint, num_running=running,
+        hash_algo="xxh3_128", block_size=BS,
+    )  # fmt: skip
+    return Instance(PeerAddr(name, "127.0.0.1", 1), info, time.monotonic())
+
+
+def store(index: KVIndex, name: str, token_ids: list[int]) -> None:
+    """``name`` caches every full block of ``token_ids``, as its pool's event would say."""
+    hashes = BlockHasher(BS).hash_token_ids(token_ids)
+    stored = BlockStored(hashes, None, token_ids[: len(hashes) * BS], BS, None, "GPU", None, 0)
+    index.apply(name, [stored])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model) -> PromptTokenizer:
+    return PromptTokenizer(tiny_model)
+
+
+PROMPT = list(range(10, 110))  # 100 tokens: 6 full blocks, at most 96 tokens hit
+
+
+def kv_router(instances, tokenizer, **kw) -> tuple[Router, KVIndex]:
+    index = KVIndex()
+    router = Router(FakeRegistry(instances), "kv_aware", kv_index=index, tokenizer=tokenizer, **kw)  # type: ignore[arg-type]
+    return router, index
+
+
+def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> None:
+    a, b = instance("a"), instance("b", running=1)
+    router, index = kv_router([a, b], tokenizer, load_weight=40.0)
+    store(index, "b", PROMPT[:64])  # b holds 4 blocks: 64 tokens
+    route = router.route(Prompt(PROMPT))
+    # a: 100 uncached + 0; b: 36 uncached + 40 x 1 = 76
+    assert (route.d.engine_id, route.p, route.predicted_hit_tokens) == ("b", None, 64)
+    # The prompt is on its way into b's cache: the same prefix goes there before its event.
+    again = PROMPT[:80] + [7] * 20
+    assert router.route(Prompt(again)).predicted_hit_tokens == 80
+    router.acquire(b)
+    router.acquire(b)  # b: 100 - 80 + 40 x 3 = 140 > 100
+    other = PROMPT[:64] + [9] * 36
+    route = router.route(Prompt(other))
+    assert (route.d.engine_id, route.predicted_hit_tokens) == ("a", 0)
+    # The last prompt token is never a hit: a whole cached prompt predicts 96, not 100.
+    store(index, "a", PROMPT)
+    assert router.route(Prompt(PROMPT)).predicted_hit_tokens == 96
+
+
+def test_ties_are_broken_at_random(tokenizer) -> None:
+    router, _ = kv_router([instance(n) for n in "abc"], tokenizer, seed=0)
+    prompts = [[i, *PROMPT] for i in range(300)]  # nothing shared: every cost is equal
+    chosen = Counter(router.route(Prompt(p)).d.engine_id for p in prompts)
+    assert set(chosen) == {"a", "b", "c"} and min(chosen.values()) > 60
+
+
+def test_a_prefix_is_held_only_from_its_first_block_and_removed_blocks_are_gone(
+    tokenizer,
+) -> None:
+    router, index = kv_router([instance("a")], tokenizer)
+    router.load_weight = 0.0
+    hashes = BlockHasher(BS).hash_token_ids(PROMPT)
+    store(index, "a", PROMPT)
+    index.apply("a", [BlockRemoved([hashes[2]], "GPU", 0)])
+    assert router.route(Prompt(PROMPT)).predicted_hit_tokens == 32  # blocks 3.. useless now
+    index.apply("a", [AllBlocksCleared()])
+    assert router.route(Prompt(PROMPT)).predicted_hit_tokens == 0
+    assert index.num_cached_blocks("a") == 0
+    # A salted prompt's hashes differ from the first block on.
+    store(index, "a", PROMPT)
+    assert router.route(Prompt(PROMPT, cache_salt="tenant")).predicted_hit_tokens == 0
+
+
+def test_pd_chooses_d_by_its_own_overlap_and_p_by_its_own(tokenizer) -> None:
+    ps = [instance(n, "kv_producer") for n in ("p0", "p1")]
+    ds = [instance(n, "kv_consumer") for n in ("d0", "d1")]
+    router, index = kv_router(ps + ds, tokenizer)
+    store(index, "d1", PROMPT[:48])
+    store(index, "p1", PROMPT)
+    route = router.route(Prompt(PROMPT))
+    assert (route.d.engine_id, route.p.engine_id, route.predicted_hit_tokens) == ("d1", "p1", 48)
+
+
+def test_conditional_disaggregation_skips_p_when_d_lacks_few_tokens(tokenizer) -> None:
+    p, d = instance("p", "kv_producer"), instance("d", "kv_consumer")
+    router, index = kv_router([p, d], tokenizer, disagg_threshold=40)
+    route = router.route(Prompt(PROMPT))
+    assert route.p is not None  # d lacks all 100 tokens
+    store(index, "d", PROMPT[:64])
+    assert router.route(Prompt(PROMPT)).p is None  # d lacks 36 < 40: it prefills them
+    assert router.route(Prompt(PROMPT[:30])).p is None  # a short prompt: no P either
+    # Without the index (round robin), the threshold still applies to the prompt's length.
+    rr = Router(FakeRegistry([p, d]), tokenizer=tokenizer, disagg_threshold=40)  # type: ignore[arg-type]
+    assert rr.route(Prompt(PROMPT[:30])).p is None and rr.route(Prompt(PROMPT)).p is not None
+
+
+def test_replicas_are_routed_whole_and_cycled(tokenizer) -> None:
+    router = Router(FakeRegistry([instance(n) for n in "abc"]), "round_robin")  # type: ignore[arg-type]
+    routes = [router.route() for _ in range(6)]
+    assert [r.d.engine_id for r in routes] == list("abcabc")
+    assert all(r.p is None and r.predicted_hit_tokens is None for r in routes)
+    assert router.route(exclude={"a", "b", "c"}) is None
+    assert "0 prefill, 0 decode and 3 replica" in router.why_no_pair()
+
+
+def test_the_proxy_tokenizes_as_the_server_does(tokenizer) -> None:
+    hf = tokenizer.tokenizer
+    assert tokenizer.token_ids("/v1/completions", {"prompt": "w1 w2 w3"}) == hf.encode("w1 w2 w3")
+    assert tokenizer.token_ids("/v1/completions", {"prompt": [[5, 6, 7]]}) == [5, 6, 7]
+    assert tokenizer.token_ids("/v1/completions", {"prompt": ["a", "b"]}) is None  # a batch
+    messages = [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}]}]
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": "w5 w6"}], tokenize=False, add_generation_prompt=True
+    )
+    expected = hf.encode(text, add_special_tokens=False)
+    assert tokenizer.token_ids("/v1/chat/completions", {"messages": messages}) == expected
+    assert tokenizer.token_ids("/v1/chat/completions", {"messages": "hi"}) is None
+    with pytest.raises(ValueError, match="--tokenizer"):
+        PromptTokenizer("/nonexistent/tokenizer")
+
+
+def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> None:
+    """The proxy connects to what an instance registers: only tcp://host:port is accepted."""
+    base = dict(role="plain", http_url="http://127.0.0.1:1", model="m", fingerprint="fp")
+    for bad in ("tcp://*:5557", "ipc:///tmp/x", "tcp://host", "tcp://a b:1", "http://h:1"):
+        with pytest.raises(ValueError, match="kv_events_endpoint"):
+            Register(**base, kv_events_endpoint=bad)
+    with pytest.raises(ValueError, match="hash_algo"):
+        Register(**base, hash_algo="md5", block_size=16)
+    with pytest.raises(ValueError, match="role"):
+        Register(**{**base, "role": "replica"})
+    assert Register(**base, kv_events_endpoint="tcp://127.0.0.1:5557").kv_events_endpoint
