@@ -18,6 +18,7 @@ from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import Linear
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from pagedkv.model.vocab_embedding import VocabEmbedding
 
 
 class LlamaAttention(nn.Module):
@@ -100,7 +101,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_proj_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, o_proj_bias)
             for i in range(config.num_hidden_layers)

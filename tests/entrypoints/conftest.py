@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 import sys
@@ -181,15 +182,24 @@ def serve(tmp_path_factory: pytest.TempPathFactory, *args: str) -> Iterator[Serv
 
 def idle_connection_survives(base_url: str, idle_s: float) -> bool:
     """Whether an HTTP/1.1 connection to ``base_url`` still answers after ``idle_s`` of
-    silence (a raw socket: no client-side pool expiry of its own)."""
+    silence (``http.client``: one connection, no client-side pool expiry of its own; each
+    answer is read whole, so the second request never reads the rest of the first)."""
     host, port = base_url.removeprefix("http://").split(":")
-    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(request)
-        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.connect()
+    conn.auto_open = 0  # a closed connection raises NotConnected instead of reconnecting
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        assert first.status == 200
         time.sleep(idle_s)
         try:
-            conn.sendall(request)
-            return conn.recv(65536).startswith(b"HTTP/1.1 200")
-        except OSError:
+            conn.request("GET", "/health")
+            second = conn.getresponse()
+            second.read()
+            return second.status == 200
+        except (OSError, http.client.HTTPException):
             return False
+    finally:
+        conn.close()

@@ -7,11 +7,15 @@ may hold 8000), and, unless
 ``PAGEDKV_DOC_COMMANDS_FULL=1``, long runs are shortened (``--num-prompts`` to 8,
 ``--duration`` to 3 s). Install and test-suite commands (``pip install``, ``apt-get``,
 ``pytest``) are what CI itself runs, so they are skipped here. ``mooncake_master`` starts in the
-background like a server (it must come up: its RPC port accepts connections).
+background like a server (it must come up: its RPC port accepts connections). A server whose port
+an earlier server of the same document still holds fails the test: the document's examples
+collide. A command that touches no port (``pagedkv generate``, ``bench throughput``) and already
+ran as written in this test run is not run twice (the help repeats the README's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -69,6 +73,9 @@ def with_default_port(command: str) -> str:
     return command
 
 
+_RAN_AS_WRITTEN: set[str] = set()  # port-free commands that exited 0 in this test run
+
+
 def shorten(command: str) -> str:
     if FULL:
         return command
@@ -97,7 +104,11 @@ class Session:
     def run_shell(self, command: str) -> None:
         if command.startswith(("pip ", "apt-get ", "python -m pytest")):  # what CI itself runs
             return
-        command = shorten(self.remap(with_default_port(command)))
+        written = with_default_port(command)
+        command = shorten(self.remap(written))
+        if command == shorten(written) and command in _RAN_AS_WRITTEN:
+            print(f"[{time.strftime('%X')}] $ {command}  (ran already)", flush=True)
+            return
         print(f"[{time.strftime('%X')}] $ {command}", flush=True)
         if "redis://" in command:
             self._start_redis(command)
@@ -115,6 +126,8 @@ class Session:
             timeout=RUN_TIMEOUT_S,
         )  # fmt: skip
         assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+        if command == shorten(written):
+            _RAN_AS_WRITTEN.add(command)
 
     def run_python(self, code: str) -> None:
         print(f"[{time.strftime('%X')}] python block", flush=True)
@@ -125,14 +138,17 @@ class Session:
         assert result.returncode == 0, f"{code}\n{result.stdout}\n{result.stderr}"
 
     def _start(self, argv: list[str], command: str) -> None:
+        given = re.search(r"--port (\d+)", command)
+        port = int(given.group(1) if given else self.remap("127.0.0.1:8000")[10:])
+        url = f"http://127.0.0.1:{port}"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            pytest.fail(f"{command}: an earlier documented server still holds port {port}")
         log_path = self.log_dir / f"server-{len(self.background)}.log"
         with log_path.open("w") as log:
             process = subprocess.Popen(
                 argv, cwd=self.log_dir, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
         self.background.append(process)
-        port = re.search(r"--port (\d+)", command)
-        url = f"http://127.0.0.1:{port.group(1) if port else self.remap('127.0.0.1:8000')[10:]}"
         self._wait(process, command, log_path, lambda: httpx.get(f"{url}/health", timeout=2))
         if argv[3] == "proxy":
             self.proxy_url = url

@@ -71,7 +71,7 @@ def test_p_comes_back_to_its_footprint_after_every_d_lifecycle(start_engine, ref
     """Three D instances in turn (a new engine id each) load from one P, then go: killed
     (SIGKILL: P finds it silent after peer_timeout_s) or shut down (it says goodbye). After
     each, P's listening sockets, threads and file descriptors are back where they were
-    before the first D (test_pd_churn.py does eight over HTTP). (Before, P kept every
+    before the first D (test_pd_churn.py does four over HTTP). (Before, P kept every
     departed D's pair group, its gloo listener, threads and sockets: 5 -> 8 sockets,
     25 -> 34 threads, 40 -> 54 fds over four D.)"""
     fast = {"peer_timeout_s": 2.0, "lease_s": 2.0}

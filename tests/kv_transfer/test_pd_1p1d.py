@@ -2,7 +2,7 @@
 D computes only the last prompt token, and both instances end with every block free.
 
 Under sustained load: 64 streaming clients back to back for ``$PAGEDKV_LOAD_TEST_S`` seconds
-(15 by default; the issue's runs used 60), alone and with two busy-loop processes beside it
+(10 by default; the issue's runs used 60), alone and with two busy-loop processes beside it
 (CPU contention must cost latency, not requests): every request answered, none failed, every
 transfer delivered, both instances at rest afterwards. (Before the per-pair lanes, PUT lost
 all but one request of 128 this way, PUT_ASYNC 64 of 784.)"""
@@ -48,17 +48,7 @@ def test_1p1d_greedy_equals_a_single_instance(one_pair, reference_text) -> None:
     assert one_pair.p.metrics()[delivered] == len(prompts)
 
 
-def test_1p1d_under_load_answers_each_request_once_and_comes_back_to_rest(one_pair) -> None:
-    """4 streaming clients through the proxy for 3 s: every request answered exactly once,
-    every transfer delivered, and afterwards neither instance runs a request or holds a block
-    (P's held blocks go when D reports its transfer done)."""
-    delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
-    before = one_pair.p.metrics()[delivered]
-    _, results = short_load([one_pair.proxy.base_url], [one_pair.p.base_url, one_pair.d.base_url])
-    assert one_pair.p.metrics()[delivered] - before == len(results)
-
-
-LOAD_S = float(os.environ.get("PAGEDKV_LOAD_TEST_S", "15"))
+LOAD_S = float(os.environ.get("PAGEDKV_LOAD_TEST_S", "10"))
 
 
 @contextlib.contextmanager
