@@ -62,8 +62,9 @@ def test_greedy_matches_transformers(arch, make_llm, prompts, reference) -> None
         dict(max_num_batched_tokens=7),  # every prompt is chunked, decodes share the budget
         dict(max_num_seqs=1),
         dict(block_size=32),
+        dict(enforce_eager=True),  # decode attention by gather + SDPA, not the CPU kernel
     ],
-    ids=["no-prefix-cache", "chunked-prefill", "one-at-a-time", "block-32"],
+    ids=["no-prefix-cache", "chunked-prefill", "one-at-a-time", "block-32", "enforce-eager"],
 )
 def test_schedule_does_not_change_outputs(arch, engine_args, make_llm, prompts, reference):
     llm = make_llm(arch, **engine_args)
