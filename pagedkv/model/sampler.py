@@ -19,6 +19,7 @@ _SAMPLING_EPS = 1e-5
 # vocabulary only when some row's candidates do not reach p (a sort of 64 x 32000 logits costs
 # ~125 ms on one CPU core, this topk a few ms).
 _TOP_P_CANDIDATES = 1024
+_ARGMAX_CHUNK = 128
 
 
 @dataclass(slots=True)
@@ -73,9 +74,24 @@ class SamplerOutput(NamedTuple):
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
-    """Index of each row's largest value (the first of equal ones, as ``argmax``): ``max`` over
-    the last dimension is the same, about 1.7x faster on CPU (64 x 32000: 3.0 vs 5.0 ms)."""
-    return values.max(dim=-1).indices
+    """Index of each row's largest value of ``[N, V]`` ``values``: the first of equal ones and
+    of NaNs, exactly as ``argmax``, which on CPU is a slow reduction (64 x 32000: 7 ms on one
+    core). ``amax`` over chunks of 128 columns is vectorised (1 ms); then ``argmax`` runs over
+    the chunk maxima and inside the one chunk that holds the first maximum."""
+    num_rows, vocab = values.shape
+    if vocab < 4 * _ARGMAX_CHUNK:
+        return values.argmax(dim=-1)
+    num_chunks = vocab // _ARGMAX_CHUNK
+    full = num_chunks * _ARGMAX_CHUNK
+    maxima = values[:, :full].unflatten(1, (num_chunks, _ARGMAX_CHUNK)).amax(dim=-1)
+    if full < vocab:
+        maxima = torch.cat((maxima, values[:, full:].amax(dim=-1, keepdim=True)), dim=1)
+    start = maxima.argmax(dim=-1) * _ARGMAX_CHUNK
+    # The last chunk may be short: its columns past the end repeat the last one, after it.
+    columns = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=values.device)).clamp_(
+        max=vocab - 1
+    )
+    return start + values.gather(1, columns).argmax(dim=-1)
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
