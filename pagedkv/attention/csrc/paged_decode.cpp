@@ -49,40 +49,55 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::
       for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(q_row[i]) * fscale;
       scores.resize(group * num_keys);
       std::vector<float> max_score(group, -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const int64_t pos = first + t;
-        const int64_t slot = row_table[pos / block_size] * block_size + pos % block_size;
-        const scalar_t* k = k_base + slot * row_stride + kv_head * head_size;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q.data() + g * head_size;
-          float s = 0.f;
+      // Walk the keys block by block: one table read and no division per key.
+      for (int64_t pos = first; pos < first + num_keys;) {
+        const int64_t offset = pos % block_size;
+        const int64_t in_block = std::min(block_size - offset, first + num_keys - pos);
+        const scalar_t* k_block =
+            k_base + (row_table[pos / block_size] * block_size + offset) * row_stride +
+            kv_head * head_size;
+        for (int64_t j = 0; j < in_block; ++j) {
+          const scalar_t* k = k_block + j * row_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * head_size;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_size; ++d) s += qg[d] * static_cast<float>(k[d]);
-          scores[g * num_keys + t] = s;
-          max_score[g] = std::max(max_score[g], s);
+            for (int64_t d = 0; d < head_size; ++d) s += qg[d] * static_cast<float>(k[d]);
+            scores[g * num_keys + pos - first + j] = s;
+            max_score[g] = std::max(max_score[g], s);
+          }
         }
+        pos += in_block;
       }
       std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * num_keys;
+        const float m = max_score[g];
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < num_keys; ++t) {
-          sg[t] = std::exp(sg[t] - max_score[g]);
+          sg[t] = std::exp(sg[t] - m);
           sum += sg[t];
         }
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const int64_t pos = first + t;
-        const int64_t slot = row_table[pos / block_size] * block_size + pos % block_size;
-        const scalar_t* v = v_base + slot * row_stride + kv_head * head_size;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * num_keys + t];
-          float* ag = acc.data() + g * head_size;
+      for (int64_t pos = first; pos < first + num_keys;) {
+        const int64_t offset = pos % block_size;
+        const int64_t in_block = std::min(block_size - offset, first + num_keys - pos);
+        const scalar_t* v_block =
+            v_base + (row_table[pos / block_size] * block_size + offset) * row_stride +
+            kv_head * head_size;
+        for (int64_t j = 0; j < in_block; ++j) {
+          const scalar_t* v = v_block + j * row_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * num_keys + pos - first + j];
+            float* ag = acc.data() + g * head_size;
 #pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) ag[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < head_size; ++d) ag[d] += p * static_cast<float>(v[d]);
+          }
         }
+        pos += in_block;
       }
       scalar_t* o = out_base + (tokens[row] * num_heads + kv_head * group) * head_size;
       for (int64_t g = 0; g < group; ++g)
