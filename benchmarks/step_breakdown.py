@@ -1,9 +1,9 @@
 """Where a decode step's time goes, and the GEMM-only floor of a run (for ``throughput.py``).
 
 ``decode_breakdown``: with every request of the workload decoding at once, each step's wall
-time (unprofiled), and from a profiled stretch of steps the time in GEMMs (``aten::mm`` /
-``addmm``) and in the attention backend's ``forward``; "other" is the rest (norms, RoPE,
-activations, residual adds, KV writes, sampling, scheduling, output processing).
+time, the time in GEMMs (every ``Linear``) and in the attention backend's ``forward``; "other"
+is the rest (norms, RoPE, activations, residual adds, KV writes, sampling, scheduling, output
+processing).
 
 ``gemm_floor``: the same GEMM shapes a run executed, replayed back to back on random inputs:
 the time that run would take if it did nothing but its matrix products.
@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
 GEMM_OPS = ("aten::mm", "aten::addmm")
 
@@ -38,10 +38,6 @@ def _gemm_shapes(prof: profile) -> Counter:
         (m, k), (_, n) = dims[-2], dims[-1]  # addmm's bias comes first
         shapes[(m, k, n)] += 1
     return shapes
-
-
-def _event_ms(prof: profile, names: tuple[str, ...]) -> float:
-    return sum(e.cpu_time_total for e in prof.events() if e.name in names) / 1e3
 
 
 def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -65,10 +61,27 @@ def gemm_floor(run: Callable[[], object], dtype: torch.dtype) -> tuple[float, Co
     return replay_gemms(shapes, dtype), shapes
 
 
+class _Timed:
+    """Wraps a callable, adding up its wall time."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
 def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12) -> dict:
-    """ms per decode step with all ``prompts`` decoding together: the unprofiled median step,
-    GEMM and attention (from profiled steps), other (the rest), and the GEMM-only floor of those
-    steps' shapes."""
+    """ms per decode step with all ``prompts`` decoding together: the median step, and over
+    those steps the mean time in GEMMs (every ``Linear``, the LM head included), in the
+    attention backend's ``forward`` and in the rest; the GEMM-only floor of their shapes.
+    Plain timers around the two calls, not the profiler, whose per-op cost would land on the
+    many small ops of attention and "other"."""
+    from pagedkv.model.linear import Linear
+
     engine = llm.llm_engine
     engine.reset_prefix_cache()
     ids = [engine.add_request(None, p, params) for p in prompts]
@@ -77,36 +90,37 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
         for out in engine.step():
             if out.outputs[0].token_ids:
                 decoding.add(out.request_id)
-    step_times = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - start)
-
     backend = engine.model_runner.attn_backend
-    forward = backend.forward
+    attention = _Timed(backend.forward)
+    shapes: Counter = Counter()
+    linear_forward = Linear.forward
 
-    def traced_forward(*args, **kwargs):
-        with record_function("attention"):
-            return forward(*args, **kwargs)
+    def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
+        shapes[(x.shape[0], *module.weight.shape)] += 1
+        return linear_forward(module, x)
 
-    backend.forward = traced_forward
+    timed_gemm = _Timed(gemm)
+    backend.forward = attention
+    Linear.forward = lambda module, x: timed_gemm(module, x)
+    step_times = []
     try:
-        prof = _profile(lambda: [engine.step() for _ in range(num_steps)])
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - start)
     finally:
+        Linear.forward = linear_forward
         del backend.forward  # back to the class's method
     engine.abort_request(ids)
-    total = statistics.median(step_times) * 1e3
-    gemm = _event_ms(prof, GEMM_OPS) / num_steps
-    attention = _event_ms(prof, ("attention",)) / num_steps
-    floor = replay_gemms(_gemm_shapes(prof), llm.llm_engine.model_runner.dtype) / num_steps
+    mean_step = sum(step_times) / num_steps * 1e3
+    gemm_ms = timed_gemm.seconds / num_steps * 1e3
+    attention_ms = attention.seconds / num_steps * 1e3
+    floor = replay_gemms(shapes, engine.model_runner.dtype) / num_steps
     return dict(
         batch=len(prompts),
-        step_ms=total,
-        gemm_ms=gemm,
-        attention_ms=attention,
-        # The unprofiled step less the profiled parts: the profiler's own cost (tens of
-        # microseconds per op with shapes recorded) would otherwise count as "other".
-        other_ms=total - gemm - attention,
+        step_ms=statistics.median(step_times) * 1e3,
+        gemm_ms=gemm_ms,
+        attention_ms=attention_ms,
+        other_ms=mean_step - gemm_ms - attention_ms,
         gemm_floor_ms=floor * 1e3,
     )
