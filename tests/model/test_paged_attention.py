@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -122,6 +125,27 @@ def run_case(
 def test_decode_kernel_builds_here() -> None:
     """The machine has a C++ compiler (as inductor needs): the kernel must build, not fall back."""
     assert load_paged_decode() is not None
+
+
+def test_a_stale_build_lock_does_not_block_loading() -> None:
+    """A process killed inside torch's ``load`` (an engine stopped while starting) leaves the
+    build lock behind; torch's own ``load`` then waits forever. A built kernel is imported
+    without that lock."""
+    from torch.utils import cpp_extension
+
+    from pagedkv.attention.cpu_decode_attention import _extension_name
+
+    assert load_paged_decode() is not None
+    lock = Path(cpp_extension._get_build_directory(_extension_name(), verbose=False)) / "lock"
+    lock.touch()
+    try:
+        code = (
+            "from pagedkv.attention.cpu_decode_attention import load_paged_decode\n"
+            "assert load_paged_decode() is not None"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    finally:
+        lock.unlink()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
