@@ -5,10 +5,18 @@ Workload and model come from the hf_peer anchor (``workload.py``: 64 prompts of 
 128 new tokens each, greedy, EOS ignored; ``make_tiny_llama.py``: a 19M-parameter Llama, seed
 1234). transformers runs through the anchor's own ``bench_hf.py`` functions: static ``generate``
 in left-padded batches of 16, and its continuous batching manager (a fresh one per run).
-fp32, 2 torch threads. Each timed run waits for a quiet machine and is rerun when other
-processes took more than ``--quiet-threshold`` of it (the anchor's method); medians reported.
+fp32 (``--dtype bfloat16``: both in bf16), 2 torch threads. Each timed run waits for a quiet
+machine and is rerun when other processes took more than ``--quiet-threshold`` of it (the
+anchor's method); medians reported.
 
-    python benchmarks/throughput.py --anchor-dir ../hf_peer             # ~4 min on a quiet box
+Also: ``breakdown``, ms per decode step with all 64 requests decoding (GEMM / attention / other,
+with the compiled decode kernel and with ``--enforce-eager``'s gather + SDPA) and the GEMM-only
+floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed,
+``step_breakdown.py``) against our wall time; ``llamacpp``, llama.cpp through the llamacpp
+anchor's harness on a GGUF conversion of the same weights (``--llamacpp-gguf``; skipped when
+llama-cpp-python is not installed or no GGUF is given).
+
+    python benchmarks/throughput.py --anchor-dir ../hf_peer             # ~6 min on a quiet box
     python benchmarks/throughput.py --anchor-dir ../hf_peer --modes ours,static --runs 1
 """
 
@@ -25,7 +33,53 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from step_breakdown import decode_breakdown, gemm_floor  # noqa: E402
+
 DEFAULT_ANCHOR = os.path.join(HERE, "..", "..", "shared", "anchors", "hf_peer")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run_llamacpp(gguf: str | None, anchor: str, args) -> dict | str:
+    """llama.cpp batched (64 slots) and single-request figures, or why they were skipped."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return "llama-cpp-python is not installed (see the llamacpp anchor's README)"
+    if gguf is None:
+        return "no --llamacpp-gguf given"
+    sys.path.insert(0, os.path.join(os.path.dirname(anchor), "llamacpp"))
+    import bench_llamacpp as lc  # noqa: E402  (the llamacpp anchor's harness)
+    import workload as wl  # noqa: E402
+
+    prompts, new = wl.throughput_requests(), wl.MAX_NEW_TOKENS
+    eng = lc.Engine(gguf, args.threads)
+    slots = wl.NUM_REQUESTS
+    ctx = eng.context(slots * 768, slots, 2048, 512, "f32", "off", False)
+    batch = lc.Batch(2048)
+    lc.run_batched(eng, ctx, batch, lc.WARMUP_PROMPTS, 4, slots, 2048)
+    times = []
+    for _ in range(args.runs):
+        (dt, _outs, _stats), _cpu = lc.measured(
+            lambda: lc.run_batched(eng, ctx, batch, prompts, new, slots, 2048), args
+        )
+        times.append(dt)
+    out: dict = dict(median_s=statistics.median(times), times_s=times)
+    out["out_tok_per_s"] = wl.NUM_REQUESTS * new / out["median_s"]
+    lc.L.llama_free(ctx)
+    ctx = eng.context(1024, 1, 1024, 512, "f32", "off", False)
+    batch = lc.Batch(1024)
+    lc.run_single_latency(eng, ctx, batch, wl.single_request(), 8)
+    runs = [
+        lc.measured(lambda: lc.run_single_latency(eng, ctx, batch, wl.single_request(), new), args)[
+            0
+        ]
+        for _ in range(args.runs)
+    ]
+    for key in ("ttft", "decode_per_token"):
+        out[f"single_{key}_ms"] = statistics.median(r[key] for r in runs) * 1e3
+    lc.L.llama_free(ctx)
+    return out
 
 
 def run_ours_single(llm, prompt: list[int], new_tokens: int) -> dict:
@@ -58,7 +112,10 @@ def main() -> None:
         default=None,
         help="the tiny Llama (default: <anchor-dir>/tiny-llama, built if missing)",
     )
-    ap.add_argument("--modes", default="ours,static,cb,single")
+    ap.add_argument("--modes", default="ours,static,cb,single,breakdown,floor,llamacpp")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--enforce-eager", action="store_true", help="our engine without kernels")
+    ap.add_argument("--llamacpp-gguf", default=None, help="the tiny Llama as an F32 GGUF")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -119,11 +176,16 @@ def main() -> None:
         )
 
     llm = None
-    if "ours" in modes or "single" in modes:
-        llm = LLM(model_dir, dtype="float32", device="cpu")
+    dtype = DTYPES[args.dtype]
+    greedy = SamplingParams(temperature=0, max_tokens=wl.MAX_NEW_TOKENS, ignore_eos=True)
+    if {"ours", "single", "breakdown", "floor"} & set(modes):
+        start = time.perf_counter()
+        llm = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager)
+        results["startup_s"] = time.perf_counter() - start
+        print(f"pagedkv engine ready in {results['startup_s']:.1f} s", flush=True)
     if "ours" in modes:
-        greedy = SamplingParams(temperature=0, max_tokens=wl.MAX_NEW_TOKENS, ignore_eos=True)
-        llm.generate(bench_hf.WARMUP_PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        # Warm-up over the measured shapes: the whole workload, a few tokens each.
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         times = []
         for _ in range(args.runs):
             # Every attempt starts with a cold prefix cache, like HF's fresh manager per run.
@@ -135,9 +197,40 @@ def main() -> None:
             times.append(cpu["wall_s"])
         outputs["ours"] = [o.outputs[0].token_ids for o in outs]
         summarize("pagedkv", times)
+    if "floor" in modes:
+        llm.llm_engine.reset_prefix_cache()
+        floor, shapes = gemm_floor(lambda: llm.generate(prompts, greedy, use_tqdm=False), dtype)
+        results["gemm_floor"] = dict(seconds=floor, num_gemms=sum(shapes.values()))
+        print(f"GEMM-only floor of one run: {floor:.2f} s ({sum(shapes.values())} GEMMs)")
+    if "breakdown" in modes:
+        eager = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=True)
+        for name, engine in (("compiled", llm), ("enforce_eager", eager)):
+            engine.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            rows = [decode_breakdown(engine, prompts, greedy) for _ in range(args.runs)]
+            results[f"breakdown_{name}"] = row = {
+                k: statistics.median(r[k] for r in rows) for k in rows[0]
+            }
+            print(
+                f"decode step at batch {row['batch']} ({name}): {row['step_ms']:.1f} ms = "
+                f"GEMM {row['gemm_ms']:.1f} + attention {row['attention_ms']:.1f} + "
+                f"other {row['other_ms']:.1f}; GEMM-only floor {row['gemm_floor_ms']:.1f} ms",
+                flush=True,
+            )
+        del eager
+    if "llamacpp" in modes:
+        lc = run_llamacpp(args.llamacpp_gguf, anchor, args)
+        results["llamacpp"] = lc
+        if isinstance(lc, str):
+            print(f"llama.cpp: skipped ({lc})")
+        else:
+            print(
+                f"llama.cpp batched: {lc['out_tok_per_s']:.0f} output tok/s; single request "
+                f"TTFT {lc['single_ttft_ms']:.1f} ms, "
+                f"{lc['single_decode_per_token_ms']:.2f} ms/token"
+            )
     hf_model = None
     if {"static", "cb", "single"} & set(modes):
-        hf_model = bench_hf.load_model("sdpa")
+        hf_model = bench_hf.load_model("sdpa").to(dtype)
     if "static" in modes:
         bench_hf.run_static(hf_model, bench_hf.WARMUP_PROMPTS, 2, 4)
         times = []
@@ -181,7 +274,7 @@ def main() -> None:
             )
 
     print(
-        "\n== pagedkv vs transformers (tiny Llama 19M, fp32, "
+        f"\n== pagedkv vs transformers (tiny Llama 19M, {args.dtype}, "
         f"{torch.get_num_threads()} threads, 64 requests x 128 new tokens)"
     )
     if "pagedkv" in results:
@@ -193,6 +286,15 @@ def main() -> None:
                     f"output tok/s  pagedkv {results['pagedkv']['out_tok_per_s']:8.0f}   "
                     f"{peer} {results[peer]['out_tok_per_s']:8.0f}   ratio {ratio:.2f}x"
                 )
+    if "pagedkv" in results and "gemm_floor" in results:
+        ratio = results["pagedkv"]["median_s"] / results["gemm_floor"]["seconds"]
+        results["ratio_to_gemm_floor"] = ratio
+        print(f"pagedkv wall time / GEMM-only floor: {ratio:.2f}x")
+    lc = results.get("llamacpp")
+    if "pagedkv" in results and isinstance(lc, dict):
+        ratio = results["pagedkv"]["out_tok_per_s"] / lc["out_tok_per_s"]
+        results["ratio_vs_llamacpp_batched"] = ratio
+        print(f"output tok/s  pagedkv vs llama.cpp batched: ratio {ratio:.2f}x")
     if "pagedkv_single" in results:
         ours, theirs = results["pagedkv_single"], results["hf_single"]
         print(

@@ -32,6 +32,18 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Every request with a single query token, for a kernel that reads the block table itself
+    (``cpu_decode_attention``): row ``r`` attends to the keys at positions
+    ``[first_keys[r], seq_lens[r])`` through ``block_table[r]``."""
+
+    token_indices: torch.Tensor  # int64 [num_rows]: row of each query in the flat batch
+    block_table: torch.Tensor  # int32 [num_rows, max_num_blocks], contiguous
+    seq_lens: torch.Tensor  # int32 [num_rows]
+    first_keys: torch.Tensor  # int32 [num_rows]: 0 unless a sliding window bites
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     """One request with several query tokens: its queries and the blocks holding its keys.
 
@@ -62,10 +74,11 @@ class AttentionMetadata:
                                          |---------|  keys seen: (6, 10]
                     |--skipped-| block 0 of the table may be the null block: never read
 
-    ``decode_buckets`` and ``prefill_chunks`` are derived from the host copies once per step in
-    ``__post_init__``, because every layer of the group reads them. Decodes are bucketed by
-    context length: padding every decode to the longest context would gather (and attend over)
-    up to twice the keys on a typical mixed batch.
+    ``decode_batch`` and ``prefill_chunks`` are derived from the host copies once per step in
+    ``__post_init__``, because every layer of the group reads them; ``decode_buckets`` (for the
+    gathering path) on first use. Decodes are bucketed by context length: padding every decode
+    to the longest context would gather (and attend over) up to twice the keys on a typical
+    mixed batch.
     """
 
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
@@ -78,15 +91,26 @@ class AttentionMetadata:
     sliding_window: int | None
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
-    decode_buckets: list[DecodeBucket] = field(init=False, repr=False)
+    decode_batch: DecodeBatch | None = field(init=False, repr=False)
     prefill_chunks: list[PrefillChunk] = field(init=False, repr=False)
+    _decode_rows: np.ndarray = field(init=False, repr=False)
+    _decode_buckets: list[DecodeBucket] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         query_lens = np.diff(self.query_start_loc_cpu)
-        self.decode_buckets = self._build_decode_buckets(np.flatnonzero(query_lens == 1))
+        self._decode_rows = np.flatnonzero(query_lens == 1)
+        self._decode_buckets = None
+        self.decode_batch = self._build_decode_batch(self._decode_rows)
         self.prefill_chunks = [
             self._build_prefill_chunk(int(i)) for i in np.flatnonzero(query_lens > 1)
         ]
+
+    @property
+    def decode_buckets(self) -> list[DecodeBucket]:
+        """The decodes in buckets of similar context length (built on first use)."""
+        if self._decode_buckets is None:
+            self._decode_buckets = self._build_decode_buckets(self._decode_rows)
+        return self._decode_buckets
 
     @classmethod
     def from_numpy(
@@ -121,6 +145,25 @@ class AttentionMetadata:
         if self.sliding_window is None:
             return np.zeros_like(first_query_positions)
         return np.maximum(first_query_positions - self.sliding_window + 1, 0)
+
+    def _build_decode_batch(self, rows: np.ndarray) -> DecodeBatch | None:
+        if not rows.size:
+            return None
+        seq_lens = self.seq_lens_cpu[rows]
+        first_keys = self._first_key_positions(seq_lens - 1).astype(np.int32)
+        device = self.block_table.device
+        if rows.size == len(self.seq_lens_cpu):  # a pure decode step: no copy of the table
+            table = self.block_table.contiguous()
+        else:
+            table = self.block_table[torch.from_numpy(rows).to(device)]
+        return DecodeBatch(
+            token_indices=torch.from_numpy(self.query_start_loc_cpu[rows].astype(np.int64)).to(
+                device
+            ),
+            block_table=table,
+            seq_lens=torch.from_numpy(np.ascontiguousarray(seq_lens)).to(device),
+            first_keys=torch.from_numpy(first_keys).to(device),
+        )
 
     def _build_decode_buckets(self, rows: np.ndarray) -> list[DecodeBucket]:
         seq_lens = self.seq_lens_cpu[rows].astype(np.int64)

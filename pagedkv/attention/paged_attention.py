@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedkv.attention.cpu_decode_attention import PagedDecode
 from pagedkv.attention.metadata import AttentionMetadata
 
 
@@ -65,13 +66,16 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     buffer: GatherBuffer | None = None,
+    decode_kernel: PagedDecode | None = None,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of a mixed varlen batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_size]`` with ``num_heads`` a multiple of the cache's
     ``num_kv_heads`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
-    Keys and values are read only through the block table. Each bucket of decodes goes through
-    one padded SDPA call, each prefill chunk through its own. Inputs are 4-D so that CPU SDPA
+    Keys and values are read only through the block table. With ``decode_kernel`` (the compiled
+    CPU kernel) all decodes go through one call that reads the cache in place; without it each
+    bucket of decodes goes through one padded SDPA call over a gathered copy. Each prefill chunk
+    goes through its own SDPA call. Inputs are 4-D so that CPU SDPA
     picks its flash kernel (3-D inputs fall back to the much slower math path).
 
     A decode reads whole blocks: the slots past ``seq_len`` in its last block are read and
@@ -80,7 +84,19 @@ def paged_attention(
     """
     buffer = buffer if buffer is not None else GatherBuffer()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for bucket in metadata.decode_buckets:
+    decodes = metadata.decode_batch
+    if decode_kernel is not None and decodes is not None:
+        decode_kernel(
+            out,
+            query.contiguous(),
+            kv_cache,
+            decodes.token_indices,
+            decodes.block_table,
+            decodes.seq_lens,
+            decodes.first_keys,
+            scale,
+        )
+    for bucket in metadata.decode_buckets if decode_kernel is None else ():
         num_rows = bucket.token_indices.numel()
         kv = buffer.gather(kv_cache, bucket.block_ids)
         kv = kv.view(2, num_rows, -1, *kv.shape[-2:]).transpose(2, 3)

@@ -78,6 +78,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
+    enforce_eager: bool = False
     kv_transfer_config: dict | None = field(default=None)
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
@@ -182,6 +183,12 @@ class EngineArgs:
             default=None,
             choices=["torch", "triton"],
             help="default: torch on CPU, triton on CUDA",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            help="no kernels compiled at startup (CPU: decode attention gathers blocks and "
+            "runs SDPA instead of the compiled paged decode kernel)",
         )
         g.add_argument(
             "--kv-transfer-config",

@@ -19,6 +19,7 @@ _SAMPLING_EPS = 1e-5
 # vocabulary only when some row's candidates do not reach p (a sort of 64 x 32000 logits costs
 # ~125 ms on one CPU core, this topk a few ms).
 _TOP_P_CANDIDATES = 1024
+_ARGMAX_CHUNK = 128
 
 
 @dataclass(slots=True)
@@ -72,6 +73,27 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value of ``[N, V]`` ``values``: the first of equal ones and
+    of NaNs, exactly as ``argmax``, which on CPU is a slow reduction (64 x 32000: 7 ms on one
+    core). ``amax`` over chunks of 128 columns is vectorised (1 ms); then ``argmax`` runs over
+    the chunk maxima and inside the one chunk that holds the first maximum."""
+    num_rows, vocab = values.shape
+    if vocab < 4 * _ARGMAX_CHUNK:
+        return values.argmax(dim=-1)
+    num_chunks = vocab // _ARGMAX_CHUNK
+    full = num_chunks * _ARGMAX_CHUNK
+    maxima = values[:, :full].unflatten(1, (num_chunks, _ARGMAX_CHUNK)).amax(dim=-1)
+    if full < vocab:
+        maxima = torch.cat((maxima, values[:, full:].amax(dim=-1, keepdim=True)), dim=1)
+    start = maxima.argmax(dim=-1) * _ARGMAX_CHUNK
+    # The last chunk may be short: its columns past the end repeat the last one, after it.
+    columns = (start[:, None] + torch.arange(_ARGMAX_CHUNK, device=values.device)).clamp_(
+        max=vocab - 1
+    )
+    return start + values.gather(1, columns).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified."""
     if metadata.allowed_token_mask is not None:
@@ -82,11 +104,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = apply_penalties(logits, metadata)
     greedy_rows = metadata.greedy_rows
     if bool(greedy_rows.all()):
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax(logits)
     else:
         sampled = _sample_random(logits, metadata, greedy_rows)
         if bool(greedy_rows.any()):
-            sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy_rows, argmax(logits), sampled)
     if raw_logprobs is None:
         return SamplerOutput(sampled, None)
     return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, num_logprobs))
@@ -111,7 +133,7 @@ def _sample_random(
         uniform.uniform_()
     for row, generator in metadata.generators.items():
         uniform[row].uniform_(generator=generator)
-    return probs.div_(uniform.log_().neg_()).argmax(dim=-1)
+    return argmax(probs.div_(uniform.log_().neg_()))
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:

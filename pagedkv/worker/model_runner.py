@@ -94,6 +94,8 @@ class ModelRunner:
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
         self.attn_backend.check_device(self.device)
+        if not args.enforce_eager:
+            self.attn_backend.load_kernels(self.device)
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
         self.model_config: ModelConfig = self.model.config

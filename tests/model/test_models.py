@@ -139,6 +139,20 @@ def test_prompt_logits_match_transformers(
         torch.testing.assert_close(model.compute_logits(hidden), expected[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_bf16_prompt_logits_equal_transformers(arch: str, tmp_path: Path) -> None:
+    """In bf16 every op rounds as transformers' does (RMSNorm included: normalise in fp32,
+    round, then scale), so prompt logits are bit-equal, not merely close."""
+    build_checkpoint(tmp_path, CONFIGS[arch]())
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    prompts = [random_prompt(n, seed=n) for n in (40, 5, 17)]
+    hidden, _ = PagedRunner(model).step([(0, p) for p in prompts])
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    assert torch.equal(logits, torch.cat([hf_logits(hf_model, p) for p in prompts]))
+
+
 def test_chunked_prefill_after_prefix_matches_transformers(
     model_pair: tuple[PreTrainedModel, LlamaForCausalLM],
 ) -> None:

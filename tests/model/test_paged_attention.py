@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from pagedkv.attention import (
     paged_attention,
     reshape_and_cache,
 )
+from pagedkv.attention.cpu_decode_attention import load_paged_decode
 
 NULL_BLOCK = 0
 
@@ -109,7 +113,65 @@ def run_case(
         torch.testing.assert_close(
             backend.forward(torch.cat(queries), kv_cache, metadata, scale), out
         )
+    # The compiled decode kernel: same answers, reading the cache in place (never the NaN null
+    # block nor stale table entries).
+    backend.load_kernels(torch.device("cpu"))
+    kernel_out = backend.forward(torch.cat(queries), kv_cache, metadata, scale)
+    assert not kernel_out.isnan().any()
+    torch.testing.assert_close(kernel_out, expected, atol=2e-5, rtol=1e-4)
     return metadata
+
+
+def test_decode_kernel_builds_here() -> None:
+    """The machine has a C++ compiler (as inductor needs): the kernel must build, not fall back."""
+    assert load_paged_decode() is not None
+
+
+def test_a_stale_build_lock_does_not_block_loading() -> None:
+    """A process killed inside torch's ``load`` (an engine stopped while starting) leaves the
+    build lock behind; torch's own ``load`` then waits forever. A built kernel is imported
+    without that lock."""
+    from torch.utils import cpp_extension
+
+    from pagedkv.attention.cpu_decode_attention import _extension_name
+
+    assert load_paged_decode() is not None
+    lock = Path(cpp_extension._get_build_directory(_extension_name(), verbose=False)) / "lock"
+    lock.touch()
+    try:
+        code = (
+            "from pagedkv.attention.cpu_decode_attention import load_paged_decode\n"
+            "assert load_paged_decode() is not None"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    finally:
+        lock.unlink()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_kernel_16_bit_cache(dtype: torch.dtype) -> None:
+    """bf16 / fp16 caches: the kernel accumulates in fp32, like SDPA over the gathered copy."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = np.array([5, 40, 17], dtype=np.int32)
+    block_size, num_kv_heads, num_heads, head_size = 16, 2, 4, 32
+    num_blocks = 1 + int(sum(math.ceil(n / block_size) for n in seq_lens))
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache = kv_cache.to(dtype)
+    block_table = np.zeros((3, 3), dtype=np.int32)
+    next_block = 1
+    for row, n in enumerate(seq_lens):
+        for b in range(math.ceil(n / block_size)):
+            block_table[row, b] = next_block
+            next_block += 1
+    metadata = AttentionMetadata.from_numpy(
+        np.arange(4), seq_lens, block_table, np.zeros(3, dtype=np.int64), block_size
+    )
+    query = torch.randn(3, num_heads, head_size, generator=gen).to(dtype)
+    kernel = load_paged_decode()
+    assert kernel is not None
+    out = paged_attention(query, kv_cache, metadata, 0.2, decode_kernel=kernel)
+    expected = paged_attention(query.float(), kv_cache.float(), metadata, 0.2)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
 MIXED = [(37, 1), (0, 23), (45, 19), (130, 1), (0, 1), (3, 1), (64, 40), (1, 1)]

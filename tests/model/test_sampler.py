@@ -3,6 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.model.sampler import (
     SamplingMetadata,
@@ -10,6 +12,7 @@ from pagedkv.model.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_p,
+    argmax,
     compute_prompt_logprobs,
     sample,
 )
@@ -40,6 +43,25 @@ def test_greedy_is_exact_argmax() -> None:
     out = sample(logits, SamplingMetadata(temperature=full(16, 0.0)))
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert out.logprobs is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.sampled_from([1, 511, 512, 513, 1000, 32000]),
+    num_rows=st.integers(1, 5),
+    levels=st.integers(1, 4),
+    specials=st.lists(st.sampled_from([INF, -INF, float("nan")]), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_argmax_equals_argmax(vocab, num_rows, levels, specials, seed) -> None:
+    """Few distinct values make ties everywhere: the first maximum (or NaN) must win, in any
+    chunk, the short last one included."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
+    for special in specials:
+        row, col = (int(torch.randint(0, n, (1,), generator=gen)) for n in (num_rows, vocab))
+        values[row, col] = special
+    assert torch.equal(argmax(values), values.argmax(dim=-1))
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:

@@ -22,6 +22,11 @@ class AttentionBackend(ABC):
     def check_device(self, device: torch.device) -> None:
         """ValueError if this backend cannot run on ``device`` (asked before the model loads)."""
 
+    def load_kernels(self, device: torch.device) -> None:
+        """Build or load compiled kernels for ``device`` (skipped under ``--enforce-eager``);
+        a backend without any keeps this no-op."""
+        return None
+
     @abstractmethod
     def reshape_and_cache(
         self,

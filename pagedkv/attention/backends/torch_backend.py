@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.attention.backends.base import AttentionBackend
+from pagedkv.attention.cpu_decode_attention import PagedDecode, load_paged_decode
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged_attention import GatherBuffer, paged_attention, reshape_and_cache
 
@@ -15,6 +16,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._buffer = GatherBuffer()
+        self._decode_kernel: PagedDecode | None = None
+
+    def load_kernels(self, device: torch.device) -> None:
+        """On CPU, the compiled decode kernel (the gather + SDPA path when it cannot be built)."""
+        if device.type == "cpu":
+            self._decode_kernel = load_paged_decode()
 
     def check_device(self, device: torch.device) -> None:
         """Any device torch runs on."""
@@ -26,4 +33,5 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_attention(query, kv_cache, metadata, scale, self._buffer)
+        kernel = self._decode_kernel if kv_cache.device.type == "cpu" else None
+        return paged_attention(query, kv_cache, metadata, scale, self._buffer, kernel)

@@ -1,0 +1,126 @@
+"""Where a decode step's time goes, and the GEMM-only floor of a run (for ``throughput.py``).
+
+``decode_breakdown``: with every request of the workload decoding at once, each step's wall
+time, the time in GEMMs (every ``Linear``) and in the attention backend's ``forward``; "other"
+is the rest (norms, RoPE, activations, residual adds, KV writes, sampling, scheduling, output
+processing).
+
+``gemm_floor``: the same GEMM shapes a run executed, replayed back to back on random inputs:
+the time that run would take if it did nothing but its matrix products.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+GEMM_OPS = ("aten::mm", "aten::addmm")
+
+
+def _profile(fn: Callable[[], object]) -> profile:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return prof
+
+
+def _gemm_shapes(prof: profile) -> Counter:
+    """(rows, inner, cols) of every top-level GEMM the profiled code ran, with counts."""
+    shapes: Counter = Counter()
+    for event in prof.events():
+        if event.name not in GEMM_OPS:
+            continue
+        dims = [d for d in event.input_shapes if len(d) == 2]
+        (m, k), (_, n) = dims[-2], dims[-1]  # addmm's bias comes first
+        shapes[(m, k, n)] += 1
+    return shapes
+
+
+def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Seconds to run every GEMM in ``shapes`` (count times each), medians of ``repeats``."""
+    total = 0.0
+    for (m, k, n), count in shapes.items():
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.mm(a, b)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        total += count * statistics.median(times)
+    return total
+
+
+def gemm_floor(run: Callable[[], object], dtype: torch.dtype) -> tuple[float, Counter]:
+    """Profile one ``run`` for its GEMM shapes, replay them: ``(floor seconds, shapes)``."""
+    shapes = _gemm_shapes(_profile(run))
+    return replay_gemms(shapes, dtype), shapes
+
+
+class _Timed:
+    """Wraps a callable, adding up its wall time."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12) -> dict:
+    """ms per decode step with all ``prompts`` decoding together: the median step, and over
+    those steps the mean time in GEMMs (every ``Linear``, the LM head included), in the
+    attention backend's ``forward`` and in the rest; the GEMM-only floor of their shapes.
+    Plain timers around the two calls, not the profiler, whose per-op cost would land on the
+    many small ops of attention and "other"."""
+    from pagedkv.model.linear import Linear
+
+    engine = llm.llm_engine
+    engine.reset_prefix_cache()
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    decoding: set[str] = set()
+    while len(decoding) < len(ids):  # step through the prefills
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                decoding.add(out.request_id)
+    backend = engine.model_runner.attn_backend
+    attention = _Timed(backend.forward)
+    shapes: Counter = Counter()
+    linear_forward = Linear.forward
+
+    def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
+        shapes[(x.shape[0], *module.weight.shape)] += 1
+        return linear_forward(module, x)
+
+    timed_gemm = _Timed(gemm)
+    backend.forward = attention
+    Linear.forward = lambda module, x: timed_gemm(module, x)
+    step_times = []
+    try:
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - start)
+    finally:
+        Linear.forward = linear_forward
+        del backend.forward  # back to the class's method
+    engine.abort_request(ids)
+    mean_step = sum(step_times) / num_steps * 1e3
+    gemm_ms = timed_gemm.seconds / num_steps * 1e3
+    attention_ms = attention.seconds / num_steps * 1e3
+    floor = replay_gemms(shapes, engine.model_runner.dtype) / num_steps
+    return dict(
+        batch=len(prompts),
+        step_ms=statistics.median(step_times) * 1e3,
+        gemm_ms=gemm_ms,
+        attention_ms=attention_ms,
+        other_ms=mean_step - gemm_ms - attention_ms,
+        gemm_floor_ms=floor * 1e3,
+    )
