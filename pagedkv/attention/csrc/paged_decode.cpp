@@ -1,75 +1,92 @@
 // Paged decode attention on CPU: one query token per request, keys and values read in place
-// through the block table (no gathered copy). Built at run time by cpu_decode_attention.py.
+// through the block table (no gathered copy). Plain C ABI, no torch headers: built in about a
+// second by cpu_decode_attention.py and called through ctypes with the tensors' data pointers.
 //
 // Work item = (decode request, KV head): its G = num_heads / num_kv_heads query heads share
 // each key and value row read. Three passes over the request's keys: scores and their max,
 // exp and sum, then the weighted sum of values. Scores are kept in a per-item buffer, so each
-// key and each value row is read once.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
+// key and each value row is read once. Everything accumulates in fp32.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-template <typename scalar_t>
-void decode_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& kv_cache,
-                   const torch::Tensor& token_indices, const torch::Tensor& block_table,
-                   const torch::Tensor& seq_lens, const torch::Tensor& first_keys, double scale) {
-  const int64_t num_rows = token_indices.size(0);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_size = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_size;  // one slot of one cache half
-  const int64_t table_stride = block_table.size(1);
-  const scalar_t* q_base = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = k_base + num_blocks * block_size * row_stride;
-  scalar_t* out_base = out.data_ptr<scalar_t>();
-  const int64_t* tokens = token_indices.data_ptr<int64_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* firsts = first_keys.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+struct bf16 {
+  uint16_t bits;
+};
+inline float to_float(bf16 x) {
+  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
-  at::parallel_for(0, num_rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_size), acc(group * head_size), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / num_kv_heads, kv_head = item % num_kv_heads;
+template <typename T>
+T from_float(float x);
+template <>
+float from_float<float>(float x) { return x; }
+template <>
+_Float16 from_float<_Float16>(float x) { return static_cast<_Float16>(x); }
+template <>
+bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does for finite values
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u += 0x7fff + ((u >> 16) & 1);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+struct Shape {
+  int64_t num_rows, num_heads, head_size, num_blocks, block_size, num_kv_heads, table_stride;
+};
+
+template <typename T>
+void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, const int32_t* table,
+            const int32_t* lens, const int32_t* firsts, float scale, const Shape s,
+            int num_threads) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t row_stride = s.num_kv_heads * s.head_size;  // one slot of one cache half
+  const T* k_base = kv_cache;
+  const T* v_base = kv_cache + s.num_blocks * s.block_size * row_stride;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> q(group * s.head_size), acc(group * s.head_size), scores;
+    std::vector<float> max_score(group), inv_sum(group);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < s.num_rows * s.num_kv_heads; ++item) {
+      const int64_t row = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
       const int64_t first = firsts[row], num_keys = lens[row] - first;
-      const int32_t* row_table = table + row * table_stride;
-      const scalar_t* q_row = q_base + (tokens[row] * num_heads + kv_head * group) * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(q_row[i]) * fscale;
+      const int32_t* row_table = table + row * s.table_stride;
+      const T* q_row = query + (tokens[row] * s.num_heads + kv_head * group) * s.head_size;
+      for (int64_t i = 0; i < group * s.head_size; ++i) q[i] = to_float(q_row[i]) * scale;
       scores.resize(group * num_keys);
-      std::vector<float> max_score(group, -std::numeric_limits<float>::infinity());
+      std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
       // Walk the keys block by block: one table read and no division per key.
       for (int64_t pos = first; pos < first + num_keys;) {
-        const int64_t offset = pos % block_size;
-        const int64_t in_block = std::min(block_size - offset, first + num_keys - pos);
-        const scalar_t* k_block =
-            k_base + (row_table[pos / block_size] * block_size + offset) * row_stride +
-            kv_head * head_size;
+        const int64_t offset = pos % s.block_size;
+        const int64_t in_block = std::min(s.block_size - offset, first + num_keys - pos);
+        const T* k_block = k_base +
+                           (row_table[pos / s.block_size] * s.block_size + offset) * row_stride +
+                           kv_head * s.head_size;
         for (int64_t j = 0; j < in_block; ++j) {
-          const scalar_t* k = k_block + j * row_stride;
+          const T* k = k_block + j * row_stride;
           for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_size;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < head_size; ++d) s += qg[d] * static_cast<float>(k[d]);
-            scores[g * num_keys + pos - first + j] = s;
-            max_score[g] = std::max(max_score[g], s);
+            const float* qg = q.data() + g * s.head_size;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < s.head_size; ++d) dot += qg[d] * to_float(k[d]);
+            scores[g * num_keys + pos - first + j] = dot;
+            max_score[g] = std::max(max_score[g], dot);
           }
         }
         pos += in_block;
       }
-      std::vector<float> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * num_keys;
         const float m = max_score[g];
@@ -83,49 +100,50 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& query, const torch::
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t pos = first; pos < first + num_keys;) {
-        const int64_t offset = pos % block_size;
-        const int64_t in_block = std::min(block_size - offset, first + num_keys - pos);
-        const scalar_t* v_block =
-            v_base + (row_table[pos / block_size] * block_size + offset) * row_stride +
-            kv_head * head_size;
+        const int64_t offset = pos % s.block_size;
+        const int64_t in_block = std::min(s.block_size - offset, first + num_keys - pos);
+        const T* v_block = v_base +
+                           (row_table[pos / s.block_size] * s.block_size + offset) * row_stride +
+                           kv_head * s.head_size;
         for (int64_t j = 0; j < in_block; ++j) {
-          const scalar_t* v = v_block + j * row_stride;
+          const T* v = v_block + j * row_stride;
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * num_keys + pos - first + j];
-            float* ag = acc.data() + g * head_size;
+            float* ag = acc.data() + g * s.head_size;
 #pragma omp simd
-            for (int64_t d = 0; d < head_size; ++d) ag[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < s.head_size; ++d) ag[d] += p * to_float(v[d]);
           }
         }
         pos += in_block;
       }
-      scalar_t* o = out_base + (tokens[row] * num_heads + kv_head * group) * head_size;
+      T* o = out + (tokens[row] * s.num_heads + kv_head * group) * s.head_size;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_size; ++d)
-          o[g * head_size + d] = static_cast<scalar_t>(acc[g * head_size + d] * inv_sum[g]);
+        for (int64_t d = 0; d < s.head_size; ++d)
+          o[g * s.head_size + d] = from_float<T>(acc[g * s.head_size + d] * inv_sum[g]);
     }
-  });
+  }
 }
 
 }  // namespace
 
 // out, query: [num_tokens, num_heads, head_size]; kv_cache: [2, num_blocks, block_size,
-// num_kv_heads, head_size], contiguous; token_indices: int64 [R], the decode rows of out/query;
-// block_table: int32 [R, max_blocks]; seq_lens, first_keys: int32 [R]: keys at positions
-// [first_keys, seq_lens) are attended to.
-void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor kv_cache,
-                  torch::Tensor token_indices, torch::Tensor block_table, torch::Tensor seq_lens,
-                  torch::Tensor first_keys, double scale) {
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(),
-              "paged_decode needs contiguous query, out and kv_cache");
-  TORCH_CHECK(block_table.is_contiguous() && block_table.scalar_type() == torch::kInt32,
-              "paged_decode needs a contiguous int32 block table");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode",
-                                  [&] {
-                                    decode_kernel<scalar_t>(out, query, kv_cache, token_indices,
-                                                            block_table, seq_lens, first_keys,
-                                                            scale);
-                                  });
-}
+// num_kv_heads, head_size]; all contiguous, of the one dtype the function is named after.
+// tokens: int64 [num_rows], the decode rows of out/query; table: int32 [num_rows, table_stride];
+// lens, firsts: int32 [num_rows]: row r attends to the keys at positions [firsts[r], lens[r]).
+#define PAGED_DECODE(NAME, T)                                                                 \
+  extern "C" void NAME(void* out, const void* query, const void* kv_cache,                    \
+                       const int64_t* tokens, const int32_t* table, const int32_t* lens,      \
+                       const int32_t* firsts, float scale, int64_t num_rows,                  \
+                       int64_t num_heads, int64_t head_size, int64_t num_blocks,              \
+                       int64_t block_size, int64_t num_kv_heads, int64_t table_stride,        \
+                       int num_threads) {                                                     \
+    const Shape s{num_rows,   num_heads,    head_size,   num_blocks,                          \
+                  block_size, num_kv_heads, table_stride};                                    \
+    decode<T>(static_cast<T*>(out), static_cast<const T*>(query),                             \
+              static_cast<const T*>(kv_cache), tokens, table, lens, firsts, scale, s,         \
+              num_threads);                                                                   \
+  }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
+PAGED_DECODE(paged_decode_float32, float)
+PAGED_DECODE(paged_decode_float16, _Float16)
+PAGED_DECODE(paged_decode_bfloat16, bf16)
