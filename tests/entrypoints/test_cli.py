@@ -306,26 +306,48 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
     assert result.stdout.strip() == "[]", result.stderr
 
 
-@pytest.mark.parametrize(
-    "flags, error",
-    [
-        (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'"),
-        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1"),
-        (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1"),
-        (["--max-model-len", "300"], "max_model_len 300 is larger than the model's"),
-        (["--kv-cache-memory", "1KiB"], "the KV cache budget gives 0 blocks"),
-        (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a size"),
-        (["--device", "cuda"], "device 'cuda' was asked for"),
-        (["--attention-backend", "triton"], "the triton attention kernels need CUDA tensors"),
-        (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory"),
-        (["--generation-config", "/nonexistent"], "generation_config must be 'auto', 'vllm'"),
-    ],
-)
-def test_engine_flag_errors_are_one_line(tiny_model: Path, flags: list[str], error: str) -> None:
-    result = run_pagedkv("generate", "--model", str(tiny_model), "w1", *flags)
-    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-    (line,) = [line for line in result.stderr.splitlines() if "error:" in line]
-    assert line.startswith("pagedkv generate: error: ") and error in line, result.stderr
+# (flags, the error's text, whether to run it as a real process): the rest run ``main`` in this
+# process, which prints what the interpreter would (an import of torch and a model load less).
+FLAG_ERRORS = [
+    (["--block-size", "0"], "argument --block-size: must be an integer >= 1, got '0'", True),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1", False),
+    (["--max-model-len", "0"], "argument --max-model-len: must be an integer >= 1", False),
+    (["--max-model-len", "300"], "max_model_len 300 is larger than the model's", True),
+    (["--kv-cache-memory", "1KiB"], "the KV cache budget gives 0 blocks", False),
+    (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a size", False),
+    (["--device", "cuda"], "device 'cuda' was asked for", False),
+    # a real process: tests/attention turn on the Triton interpreter in this one
+    (["--attention-backend", "triton"], "the triton attention kernels need CUDA tensors", True),
+    (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent: no such directory", False),
+    (["--generation-config", "/nonexistent"], "generation_config must be 'auto', 'vllm'", False),
+]
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``pagedkv ARGV`` in this process: its exit status and standard error, as the interpreter
+    reports a ``SystemExit`` (a message is printed, status 1)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    code, err = exit_info.value.code, capsys.readouterr().err
+    if isinstance(code, str):
+        return 1, f"{err}{code}\n"
+    return code or 0, err
+
+
+@pytest.mark.parametrize("flags, error, real_process", FLAG_ERRORS)
+def test_engine_flag_errors_are_one_line(
+    tiny_model: Path, flags: list[str], error: str, real_process: bool, capsys
+) -> None:
+    argv = ["generate", "--model", str(tiny_model), "w1", *flags]
+    if real_process:
+        result = run_pagedkv(*argv)
+        returncode, stderr = result.returncode, result.stderr
+    else:
+        returncode, stderr = run_main(argv, capsys)
+    assert returncode != 0 and "Traceback" not in stderr, stderr
+    (line,) = [line for line in stderr.splitlines() if "error:" in line]
+    assert line.startswith("pagedkv generate: error: ") and error in line, stderr
 
 
 @pytest.mark.parametrize("port", ["-1", "65536", "http"])

@@ -84,7 +84,7 @@ NUMERIC_FIELDS = {
 COMPLETION_BODIES = st.fixed_dictionaries({}, optional={"prompt": PROMPTS, **COMMON_FIELDS})
 CHAT_BODIES = st.fixed_dictionaries({}, optional={"messages": MESSAGES, **COMMON_FIELDS})
 FUZZ = settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=70, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
