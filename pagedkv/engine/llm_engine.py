@@ -30,6 +30,7 @@ from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.model.hf_config import tokenizer_routing_config
 from pagedkv.structured_output.manager import StructuredOutputManager
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
@@ -57,7 +58,7 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, config=tokenizer_routing_config(path))
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s): only token-id prompts will work", path, e)
         return None

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+
+from pagedkv.model.hf_config import read_hf_config
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -31,7 +32,7 @@ class RopeConfig:
     original_max_position_embeddings: int | None = None
 
     @classmethod
-    def from_hf_config(cls, hf_config: PretrainedConfig) -> RopeConfig:
+    def from_hf_config(cls, hf_config: Any) -> RopeConfig:
         # transformers >= 5 keeps everything in `rope_parameters`; older versions split it
         # between `rope_theta` and `rope_scaling`.
         params: dict[str, Any] = dict(
@@ -61,14 +62,14 @@ class RopeConfig:
         )
 
 
-def _torch_dtype(hf_config: PretrainedConfig) -> torch.dtype:
+def _torch_dtype(hf_config: Any) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if dtype is None:
         return torch.float32
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _sliding_windows(hf_config: PretrainedConfig) -> tuple[int | None, ...]:
+def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     """Per-layer window: ``layer_types`` when the config has them, else every layer (Mistral)."""
     num_layers = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
@@ -102,9 +103,7 @@ class ModelConfig:
     dtype: torch.dtype
 
     @classmethod
-    def from_hf_config(
-        cls, hf_config: PretrainedConfig, dtype: torch.dtype | None = None
-    ) -> ModelConfig:
+    def from_hf_config(cls, hf_config: Any, dtype: torch.dtype | None = None) -> ModelConfig:
         """Read a Llama-family config; ``dtype`` overrides the checkpoint's own."""
         hidden_act = getattr(hf_config, "hidden_act", "silu")
         if hidden_act != "silu":
@@ -132,7 +131,7 @@ class ModelConfig:
     def from_pretrained(
         cls, model_path: str | os.PathLike[str], dtype: torch.dtype | None = None
     ) -> ModelConfig:
-        return cls.from_hf_config(AutoConfig.from_pretrained(model_path), dtype)
+        return cls.from_hf_config(read_hf_config(model_path), dtype)
 
     def kv_cache_layer_specs(self) -> list[KVCacheLayerSpec]:
         return [

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
 
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.hf_config import read_hf_config
 from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.registry import get_model_class
 
@@ -57,7 +57,7 @@ def load_model(
     model_dir = Path(model_path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = read_hf_config(model_dir)
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     config = ModelConfig.from_hf_config(hf_config, dtype)
     with torch.device("meta"):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedkv.kv_cache.block_hash import BlockHash, BlockHasher
+from pagedkv.model.hf_config import tokenizer_routing_config
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,9 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(tokenizer_path), config=tokenizer_routing_config(tokenizer_path)
+            )
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer there: {e}") from None
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
