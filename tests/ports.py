@@ -4,11 +4,13 @@ A port found by binding port 0 lies in the ephemeral range (``ip_local_port_rang
 test closing that probe and the server binding the port — a spawned process, seconds later — any
 outgoing connection on the machine may take it as its local port: CI saw a P2P engine fail with
 ``Address already in use`` that way. A port below the range is taken only by an explicit bind, and
-this module never hands the same one out twice in a process.
+this module never hands the same one out twice in a process, nor (under pytest-xdist) one that
+another worker may hand out.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -24,13 +26,23 @@ def _ephemeral_low() -> int:
         return 32_768
 
 
+def _worker_share() -> tuple[int, int]:
+    """(this pytest-xdist worker's index, the number of workers): each worker takes the ports
+    congruent to its index, so two workers never race for one. (0, 1) without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return int(worker) % count, count
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing was bound to just now and no outgoing socket will take."""
     high = _ephemeral_low()
+    index, count = _worker_share()
     rng = random.Random()
     for _ in range(1_000):
         port = rng.randrange(_LOWEST, high)
-        if port in _handed_out:
+        port -= (port - index) % count
+        if port < _LOWEST or port in _handed_out:
             continue
         with socket.socket() as probe:
             try:

@@ -223,12 +223,17 @@ def test_a_full_get_pool_nacks_and_each_policy_applies(
     assert "send pool full" in p.log()
 
 
-def test_a_transfer_id_used_twice_at_once_strands_no_block(shared, reference_outputs) -> None:
+def test_a_transfer_id_used_twice_at_once_strands_no_block(
+    start_engine, shared, reference_outputs
+) -> None:
     """Two live requests with one transfer id (a client talking to P or D directly can send
     that): once, both shared P's transfer record and the blocks of one were held forever.
     Now the second is refused (P: its KV is not sent; D: its load fails by policy) and the
-    first is served."""
-    p, d = shared.p, shared.d["fail"]
+    first is served. D here has the default load deadline (30 s): the shared D's 3 s, counted
+    from D's admission, passed twice in full-suite runs before the shared P held its source."""
+    p = shared.p
+    config = p2p_config("kv_consumer", "D-dup", kv_load_failure_policy="fail")
+    d = start_engine("D-dup", kv_transfer_config=config)
     prompt = random_prompt(40, seed=14)
     tid = uuid.uuid4().hex
     # P: the first is held for its lease (no D comes), the second is not held at all.
