@@ -58,7 +58,7 @@ void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, co
   {
     std::vector<float> q(group * s.head_size), acc(group * s.head_size), scores;
     std::vector<float> max_score(group), inv_sum(group);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (int64_t item = 0; item < s.num_rows * s.num_kv_heads; ++item) {
       const int64_t row = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
       const int64_t first = firsts[row], num_keys = lens[row] - first;
