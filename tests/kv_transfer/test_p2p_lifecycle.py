@@ -20,13 +20,40 @@ def listening_sockets(pid: int) -> set[tuple[str, int]]:
     return _listening_sockets(pid)
 
 
-def footprint(pid: int) -> tuple[int, int, int]:
-    """(listening sockets, threads, file descriptors) of process ``pid``."""
-    return (
-        len(listening_sockets(pid)),
-        len(os.listdir(f"/proc/{pid}/task")),
-        len(os.listdir(f"/proc/{pid}/fd")),
-    )
+def _accepted_on(pid: int, port: int) -> int:
+    """How many of ``pid``'s descriptors are connections accepted on ``port`` (not listening)."""
+    inodes = {
+        target[8:-1]
+        for fd in os.listdir(f"/proc/{pid}/fd")
+        if (target := _readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:[")
+    }
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if local_port == port and fields[3] != "0A" and fields[9] in inodes:
+                    count += 1
+    return count
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def footprint(pid: int, http_port: int | None = None) -> tuple[int, int, int]:
+    """(listening sockets, threads, file descriptors) of process ``pid``. Connections accepted
+    on ``http_port`` are left out of the descriptors: how many a client's pool keeps open is
+    the client's business (the proxy's httpx pool closes an idle one only when it next
+    sends, and a server keeps one for 75 s)."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    if http_port is not None:
+        fds -= _accepted_on(pid, http_port)
+    return (len(listening_sockets(pid)), len(os.listdir(f"/proc/{pid}/task")), fds)
 
 
 def thread_names(pid: int) -> list[str]:
@@ -40,25 +67,29 @@ def thread_names(pid: int) -> list[str]:
     return sorted(names)
 
 
-def steady_footprint(pid: int, steady_s: float = 3.0, timeout_s: float = 30.0):
-    """The footprint once it has not changed for ``steady_s`` (an idle HTTP keep-alive
-    connection closes after 5 s, an idle worker thread goes after a while)."""
+def steady_footprint(
+    pid: int, steady_s: float = 3.0, timeout_s: float = 30.0, http_port: int | None = None
+):
+    """The footprint once it has not changed for ``steady_s`` (an idle worker thread goes
+    after a while)."""
     deadline = time.monotonic() + timeout_s
-    last, since = footprint(pid), time.monotonic()
+    last, since = footprint(pid, http_port), time.monotonic()
     while time.monotonic() - since < steady_s:
         assert time.monotonic() < deadline, f"footprint never steady: {last}"
         time.sleep(0.2)
-        now = footprint(pid)
+        now = footprint(pid, http_port)
         if now != last:
             last, since = now, time.monotonic()
     return last
 
 
-def wait_for_footprint(pid: int, rest: tuple[int, int, int], timeout_s: float) -> None:
+def wait_for_footprint(
+    pid: int, rest: tuple[int, int, int], timeout_s: float, http_port: int | None = None
+) -> None:
     """Until no count of the footprint is above ``rest``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        now = footprint(pid)
+        now = footprint(pid, http_port)
         if all(n <= r for n, r in zip(now, rest)):
             return
         assert time.monotonic() < deadline, (

@@ -41,7 +41,8 @@ def test_d_instances_come_and_go_under_one_p_and_the_proxy(cluster_factory, refe
     cluster.ready(p)
     proxy.wait_for_instances(1, 0)
     p.assert_alive()  # a plain request first: torch's thread pools, the server's connections
-    rest = steady_footprint(p.process.pid)
+    http_port = int(p.base_url.rsplit(":", 1)[1])
+    rest = steady_footprint(p.process.pid, http_port=http_port)
     prompts = [random_prompt(30 + 7 * i, seed=3000 + i) for i in range(2 * NUM_D)]
     expected = reference_text(prompts, MAX_TOKENS)
     sigterm_outcomes = []
@@ -66,7 +67,7 @@ def test_d_instances_come_and_go_under_one_p_and_the_proxy(cluster_factory, refe
             gone_s = _wait_gone(proxy, f"D-{i}", timeout_s=15)
             sigterm_outcomes.append((d.process.wait(timeout=60), round(gone_s, 1)))
     # P finds a killed D silent after peer_timeout_s; its DEALER flushes for lease_s.
-    wait_for_footprint(p.process.pid, rest, timeout_s=30)
+    wait_for_footprint(p.process.pid, rest, timeout_s=30, http_port=http_port)
     assert_at_rest([p.base_url])
     assert p.metrics()["pagedkv:kv_transfer_pair_groups"] == 0
     assert all(code == 0 and gone_s <= 3 for code, gone_s in sigterm_outcomes), (
