@@ -45,6 +45,22 @@ struct Shape {
   int64_t num_rows, num_heads, head_size, num_blocks, block_size, num_kv_heads, table_stride;
 };
 
+// Calls visit(row, t) for the cache rows of keys t = 0 .. num_keys - 1 (positions first + t) of
+// one KV head, walking the table block by block: one table read and no division per key.
+template <typename T, typename Visit>
+inline void for_each_key(const T* half, const int32_t* row_table, int64_t first, int64_t num_keys,
+                         int64_t block_size, int64_t row_stride, int64_t head_offset,
+                         Visit visit) {
+  for (int64_t pos = first; pos < first + num_keys;) {
+    const int64_t offset = pos % block_size;
+    const int64_t in_block = std::min(block_size - offset, first + num_keys - pos);
+    const T* block =
+        half + (row_table[pos / block_size] * block_size + offset) * row_stride + head_offset;
+    for (int64_t j = 0; j < in_block; ++j) visit(block + j * row_stride, pos - first + j);
+    pos += in_block;
+  }
+}
+
 template <typename T>
 void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, const int32_t* table,
             const int32_t* lens, const int32_t* firsts, float scale, const Shape s,
@@ -67,26 +83,18 @@ void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, co
       for (int64_t i = 0; i < group * s.head_size; ++i) q[i] = to_float(q_row[i]) * scale;
       scores.resize(group * num_keys);
       std::fill(max_score.begin(), max_score.end(), -std::numeric_limits<float>::infinity());
-      // Walk the keys block by block: one table read and no division per key.
-      for (int64_t pos = first; pos < first + num_keys;) {
-        const int64_t offset = pos % s.block_size;
-        const int64_t in_block = std::min(s.block_size - offset, first + num_keys - pos);
-        const T* k_block = k_base +
-                           (row_table[pos / s.block_size] * s.block_size + offset) * row_stride +
-                           kv_head * s.head_size;
-        for (int64_t j = 0; j < in_block; ++j) {
-          const T* k = k_block + j * row_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * s.head_size;
-            float dot = 0.f;
+      const int64_t head_offset = kv_head * s.head_size;
+      for_each_key(k_base, row_table, first, num_keys, s.block_size, row_stride, head_offset,
+                   [&](const T* k, int64_t t) {
+                     for (int64_t g = 0; g < group; ++g) {
+                       const float* qg = q.data() + g * s.head_size;
+                       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < s.head_size; ++d) dot += qg[d] * to_float(k[d]);
-            scores[g * num_keys + pos - first + j] = dot;
-            max_score[g] = std::max(max_score[g], dot);
-          }
-        }
-        pos += in_block;
-      }
+                       for (int64_t d = 0; d < s.head_size; ++d) dot += qg[d] * to_float(k[d]);
+                       scores[g * num_keys + t] = dot;
+                       max_score[g] = std::max(max_score[g], dot);
+                     }
+                   });
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * num_keys;
         const float m = max_score[g];
@@ -99,23 +107,15 @@ void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, co
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = first; pos < first + num_keys;) {
-        const int64_t offset = pos % s.block_size;
-        const int64_t in_block = std::min(s.block_size - offset, first + num_keys - pos);
-        const T* v_block = v_base +
-                           (row_table[pos / s.block_size] * s.block_size + offset) * row_stride +
-                           kv_head * s.head_size;
-        for (int64_t j = 0; j < in_block; ++j) {
-          const T* v = v_block + j * row_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * num_keys + pos - first + j];
-            float* ag = acc.data() + g * s.head_size;
+      for_each_key(v_base, row_table, first, num_keys, s.block_size, row_stride, head_offset,
+                   [&](const T* v, int64_t t) {
+                     for (int64_t g = 0; g < group; ++g) {
+                       const float p = scores[g * num_keys + t];
+                       float* ag = acc.data() + g * s.head_size;
 #pragma omp simd
-            for (int64_t d = 0; d < s.head_size; ++d) ag[d] += p * to_float(v[d]);
-          }
-        }
-        pos += in_block;
-      }
+                       for (int64_t d = 0; d < s.head_size; ++d) ag[d] += p * to_float(v[d]);
+                     }
+                   });
       T* o = out + (tokens[row] * s.num_heads + kv_head * group) * s.head_size;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < s.head_size; ++d)
