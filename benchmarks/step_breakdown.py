@@ -5,8 +5,9 @@ time, the time in GEMMs (every ``Linear``) and in the attention backend's ``forw
 is the rest (norms, RoPE, activations, residual adds, KV writes, sampling, scheduling, output
 processing).
 
-``gemm_floor``: the same GEMM shapes a run executed, replayed back to back on random inputs:
-the time that run would take if it did nothing but its matrix products.
+``gemm_floor``: the same GEMM shapes a run executed, replayed back to back on random inputs,
+each against the faster weight layout: the time that run would take if it did nothing but its
+matrix products.
 """
 
 from __future__ import annotations
@@ -41,17 +42,22 @@ def _gemm_shapes(prof: profile) -> Counter:
 
 
 def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float:
-    """Seconds to run every GEMM in ``shapes`` (count times each), medians of ``repeats``."""
+    """Seconds to run every GEMM in ``shapes`` (count times each), medians of ``repeats``, each
+    shape against the faster of the two weight layouts (``[k, n]`` or ``[n, k]`` transposed, as
+    ``LMHead`` may use)."""
     total = 0.0
     for (m, k, n), count in shapes.items():
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        total += count * statistics.median(times)
+        best = float("inf")
+        for weight in (b, b.t().contiguous().t()):
+            torch.mm(a, weight)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                torch.mm(a, weight)
+                times.append(time.perf_counter() - start)
+            best = min(best, statistics.median(times))
+        total += count * best
     return total
 
 
@@ -81,6 +87,7 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
     Plain timers around the two calls, not the profiler, whose per-op cost would land on the
     many small ops of attention and "other"."""
     from pagedkv.model.linear import Linear
+    from pagedkv.model.lm_head import LMHead
 
     engine = llm.llm_engine
     engine.reset_prefix_cache()
@@ -93,15 +100,16 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
     backend = engine.model_runner.attn_backend
     attention = _Timed(backend.forward)
     shapes: Counter = Counter()
-    linear_forward = Linear.forward
+    forwards = {cls: cls.forward for cls in (Linear, LMHead)}
 
     def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
         shapes[(x.shape[0], *module.weight.shape)] += 1
-        return linear_forward(module, x)
+        return forwards[type(module)](module, x)
 
     timed_gemm = _Timed(gemm)
     backend.forward = attention
-    Linear.forward = lambda module, x: timed_gemm(module, x)
+    for cls in forwards:
+        cls.forward = lambda module, x: timed_gemm(module, x)
     step_times = []
     try:
         for _ in range(num_steps):
@@ -109,7 +117,8 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
             engine.step()
             step_times.append(time.perf_counter() - start)
     finally:
-        Linear.forward = linear_forward
+        for cls, forward in forwards.items():
+            cls.forward = forward
         del backend.forward  # back to the class's method
     engine.abort_request(ids)
     mean_step = sum(step_times) / num_steps * 1e3

@@ -16,6 +16,7 @@ from torch import nn
 from pagedkv.attention import ForwardContext
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import Linear
+from pagedkv.model.lm_head import LMHead
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from pagedkv.model.vocab_embedding import VocabEmbedding
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias, o_proj_bias = self.attention_biases(config)
         self.model = LlamaModel(config, qkv_bias, o_proj_bias)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -210,3 +211,4 @@ class LlamaForCausalLM(nn.Module):
         ]
         if missing:
             raise ValueError(f"weights missing from checkpoint: {', '.join(missing)}")
+        self.lm_head.prepare()

@@ -387,7 +387,18 @@ def test_stop_reads_escapes_as_json_does() -> None:
 def test_ctrl_c_ends_generate_without_a_traceback(tiny_model: Path) -> None:
     process = subprocess.Popen(
         pagedkv_command(
-            "generate", "--model", str(tiny_model), "w1", "--max-tokens", "250", "--ignore-eos"
+            "generate",
+            "--model",
+            str(tiny_model),
+            "w1",
+            "w2",
+            "w3",
+            "w4",
+            "--max-tokens",
+            "250",
+            "--ignore-eos",
+            "--max-num-seqs",
+            "1",
         ),
         cwd=REPO_ROOT,
         env=subprocess_env(),
@@ -396,7 +407,9 @@ def test_ctrl_c_ends_generate_without_a_traceback(tiny_model: Path) -> None:
         text=True,
     )
     assert process.stdout is not None
-    process.stdout.read(2)  # the prompt is printed: the command is past its imports
+    # The first prompt is printed: the command is past its imports and in its step loop, which
+    # runs the four prompts one after another (1000 steps, seconds), so the signal lands in it.
+    process.stdout.read(2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and "Traceback" not in stderr, stderr

@@ -1,0 +1,32 @@
+"""LMHead: the second weight layout gives the products of the first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.model.lm_head import LMHead
+
+
+def _head(dtype: torch.dtype) -> LMHead:
+    head = LMHead(48, 1000).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(48, 1000, generator=torch.Generator().manual_seed(0)))
+    head.prepare()
+    return head
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 64])
+def test_every_batch_size_gets_the_products_of_the_loaded_weight(num_rows: int) -> None:
+    head = _head(torch.float32)
+    x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(head(x), x.double().mm(head.weight.double()).float())
+
+
+def test_the_vocab_major_copy_is_made_only_for_fp32_on_cpu() -> None:
+    fp32 = _head(torch.float32)
+    assert fp32.weight_by_vocab is not None
+    assert torch.equal(fp32.weight_by_vocab, fp32.weight.t())
+    assert fp32.weight_by_vocab.is_contiguous()
+    assert _head(torch.bfloat16).weight_by_vocab is None
+    assert "weight_by_vocab" not in fp32.state_dict()  # never saved, never loaded
