@@ -1,42 +1,21 @@
-"""The compiled CPU decode kernel (``csrc/paged_decode.cpp``): built once per machine, cached.
+"""The compiled CPU decode kernel (``csrc/paged_decode.cpp``, built by ``cpu_kernels``).
 
 Decode attention on CPU is memory-bound: the torch path gathers each decode's blocks into a
 scratch copy, then runs SDPA over the copy, so every key and value is read twice and written
 once, in about ten small calls per layer. The kernel reads them once, in place, through the
 block table, in one parallel region per layer (64 decodes of 350 tokens: 6.8 vs 12.3 ms per
 layer on one core of this project's CPU; on two cores shared with other jobs 16 vs 128 ms).
-
-The source is plain C++ with a C ABI (no torch headers), so the machine's compiler (``$CXX``,
-else ``c++``) builds it in about a second; the library is cached under
-``$XDG_CACHE_HOME/pagedkv`` (default ``~/.cache/pagedkv``) by a name hashed from the source,
-the flags and this CPU (``-march=native`` code only runs here). A build writes a temporary file
-and renames it into place, so concurrent first starts need no lock and a killed build leaves
-nothing half-written behind. Without a compiler the torch path is used, with one warning.
+Without a compiler the torch path is used.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedkv.cpu_kernels import load_cpu_kernels
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-# -ffast-math lets the compiler vectorise exp (glibc's libmvec); scores and sums stay fp32. It is
-# given to the compile step only: linking a shared library with it (GCC < 13) would add
-# crtfastmath, which turns on flush-to-zero for the whole process when the library loads.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-BUILD_TIMEOUT_S = 120.0
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -98,60 +77,7 @@ class PagedDecode:
         )  # fmt: skip
 
 
-def _library_path() -> Path:
-    """Unique per source, flags and CPU, so a library under this name is always the right one."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    cpu = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    key = "\n".join([_SOURCE.read_text(), *_COMPILE_FLAGS, *_LINK_FLAGS, *cpu])
-    name = f"paged_decode_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv"
-    return cache / name
-
-
-def _build(library: Path) -> None:
-    """Compile and link into a temporary file beside ``library``, then rename it into place."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise OSError("no C++ compiler ($CXX, c++ or g++)")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        obj, built = Path(scratch) / "paged_decode.o", Path(scratch) / library.name
-        for argv in (
-            [compiler, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-            [compiler, *_LINK_FLAGS, str(obj), "-o", str(built)],
-        ):
-            result = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if result.returncode != 0:
-                raise OSError(f"{' '.join(argv)} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, library)
-
-
-_loaded: dict[Path, PagedDecode | None] = {}
-
-
 def load_paged_decode() -> PagedDecode | None:
-    """The kernel (``PagedDecode``), built here on first use; None, warned once per process,
-    when it cannot be built."""
-    library = _library_path()
-    if library in _loaded:
-        return _loaded[library]
-    kernel = None
-    try:
-        if not library.exists():
-            start = time.perf_counter()
-            _build(library)
-            logger.info(
-                "CPU decode kernel built in %.1f s: %s", time.perf_counter() - start, library
-            )
-        kernel = PagedDecode(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.TimeoutExpired, AttributeError) as e:
-        logger.warning(
-            "the CPU decode kernel could not be built or loaded (%s); decode attention gathers "
-            "blocks and runs SDPA instead",
-            (str(e).splitlines() or [type(e).__name__])[0],
-        )
-    _loaded[library] = kernel
-    return kernel
+    """The kernel, or None when the CPU kernels cannot be built (warned once per process)."""
+    library = load_cpu_kernels()
+    return None if library is None else PagedDecode(library)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention import ForwardContext
+from pagedkv.model.activation import SiluAndMul
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import Linear
 from pagedkv.model.lm_head import LMHead
@@ -70,10 +70,10 @@ class LlamaMLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,14 +89,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         signed_sin: torch.Tensor,
         ctx: ForwardContext,
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, signed_sin, ctx
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual stream: returns ``(mlp output, residual)``, whose sum is the layer's
+        output; the next norm adds them (``residual`` None: the first layer)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, signed_sin, ctx)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -115,9 +122,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos, signed_sin = self.rotary_emb(positions, hidden_states.dtype)
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(hidden_states, cos, signed_sin, ctx)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(hidden_states, residual, cos, signed_sin, ctx)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

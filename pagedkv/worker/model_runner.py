@@ -19,6 +19,7 @@ from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
@@ -98,6 +99,10 @@ class ModelRunner:
             self.attn_backend.load_kernels(self.device)
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
+        if not args.enforce_eager and self.device.type == "cpu" and self.dtype == torch.float32:
+            ops = load_cpu_layer_ops()
+            if ops is not None:
+                attach(self.model, ops)
         self.model_config: ModelConfig = self.model.config
         self.max_num_reqs = args.max_num_seqs
         if args.seed is not None:  # unseeded sampling draws from torch's default generator

@@ -51,6 +51,8 @@ def token_ids(outputs) -> list[list[int]]:
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_greedy_matches_transformers(arch, make_llm, prompts, reference) -> None:
     llm = make_llm(arch)
+    # fp32 on CPU: the compiled layer ops (fused residual add + RMSNorm, SiLU-and-mul) run.
+    assert llm.llm_engine.model_runner.model.model.norm.cpu_ops is not None
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
 
 
@@ -68,6 +70,8 @@ def test_greedy_matches_transformers(arch, make_llm, prompts, reference) -> None
 )
 def test_schedule_does_not_change_outputs(arch, engine_args, make_llm, prompts, reference):
     llm = make_llm(arch, **engine_args)
+    compiled_ops = llm.llm_engine.model_runner.model.model.norm.cpu_ops is not None
+    assert compiled_ops != engine_args.get("enforce_eager", False)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == reference(arch)
 
 

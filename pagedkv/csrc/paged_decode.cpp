@@ -1,6 +1,6 @@
 // Paged decode attention on CPU: one query token per request, keys and values read in place
 // through the block table (no gathered copy). Plain C ABI, no torch headers: built in about a
-// second by cpu_decode_attention.py and called through ctypes with the tensors' data pointers.
+// second by cpu_kernels.py and called through ctypes with the tensors' data pointers.
 //
 // Work item = (decode request, KV head): its G = num_heads / num_kv_heads query heads share
 // each key and value row read. Three passes over the request's keys: scores and their max,
