@@ -10,7 +10,7 @@ machine and is rerun when other processes took more than ``--quiet-threshold`` o
 anchor's method); medians reported.
 
 Also: ``breakdown``, ms per decode step with all 64 requests decoding (GEMM / attention / other,
-with the compiled decode kernel and with ``--enforce-eager``'s gather + SDPA) and the GEMM-only
+with the compiled CPU kernels and with ``--enforce-eager``'s torch ops) and the GEMM-only
 floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed,
 ``step_breakdown.py``) against our wall time; ``llamacpp``, llama.cpp through the llamacpp
 anchor's harness on a GGUF conversion of the same weights (``--llamacpp-gguf``; skipped when
@@ -60,11 +60,11 @@ def run_llamacpp(gguf: str | None, anchor: str, args) -> dict | str:
     lc.run_batched(eng, ctx, batch, lc.WARMUP_PROMPTS, 4, slots, 2048)
     times = []
     for _ in range(args.runs):
-        (dt, _outs, _stats), _cpu = lc.measured(
+        (dt, outputs, _stats), _cpu = lc.measured(
             lambda: lc.run_batched(eng, ctx, batch, prompts, new, slots, 2048), args
         )
         times.append(dt)
-    out: dict = dict(median_s=statistics.median(times), times_s=times)
+    out: dict = dict(median_s=statistics.median(times), times_s=times, outputs=outputs)
     out["out_tok_per_s"] = wl.NUM_REQUESTS * new / out["median_s"]
     lc.L.llama_free(ctx)
     ctx = eng.context(1024, 1, 1024, 512, "f32", "off", False)
@@ -301,12 +301,25 @@ def main() -> None:
             f"single request: TTFT {ours['ttft']:.1f} ms vs {theirs['ttft']:.1f} ms, "
             f"decode {ours['decode_per_token']:.2f} vs {theirs['decode_per_token']:.2f} ms/token"
         )
+        if isinstance(lc, dict):
+            print(
+                f"single request vs llama.cpp: TTFT {ours['ttft']:.1f} vs "
+                f"{lc['single_ttft_ms']:.1f} ms, decode {ours['decode_per_token']:.2f} vs "
+                f"{lc['single_decode_per_token_ms']:.2f} ms/token"
+            )
+    if isinstance(lc, dict):
+        outputs["llamacpp"] = lc.pop("outputs")
+    peers = {
+        "static": "transformers static",
+        "cb": "transformers continuous batching",
+        "llamacpp": "llama.cpp batched",
+    }
     if "ours" in outputs:
-        for peer in ("static", "cb"):
+        for peer, name in peers.items():
             if peer in outputs:
                 same = sum(a == b for a, b in zip(outputs["ours"], outputs[peer]))
                 results[f"identical_to_{peer}"] = same
-                print(f"greedy outputs identical to transformers {peer}: {same}/64 requests")
+                print(f"greedy outputs identical to {name}: {same}/64 requests")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
