@@ -1,11 +1,13 @@
 """The compiled CPU layer ops (``csrc/layer_ops.cpp``): a decoder layer's pointwise work in
-three calls, fp32.
+four calls, fp32.
 
 ``add_rms_norm`` (vLLM's ``fused_add_rms_norm``: the residual add and the next RMSNorm in one
-pass, in place), ``rms_norm`` and ``silu_and_mul`` replace about twenty torch ops per layer
-(F.rms_norm alone is eight). Values equal torch's up to fp32 rounding (sums in another order,
-libmvec's exp). ``RMSNorm`` and ``SiluAndMul`` use them once ``attach`` gives them the ops; the
-model runner does that for an fp32 model on CPU unless ``--enforce-eager``.
+pass, in place), ``rms_norm``, ``silu_and_mul`` and ``rotary_and_cache`` (RoPE on q and k, k and
+v written to the KV cache, the query packed for attention) replace about thirty torch ops per
+layer (F.rms_norm alone is eight). Values equal torch's up to fp32 rounding (sums in another order,
+libmvec's exp). ``RMSNorm``, ``SiluAndMul`` and ``LlamaAttention`` use them once ``attach``
+gives them the ops; the model runner does that for an fp32 model on CPU unless
+``--enforce-eager``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class CpuLayerOps:
         self._silu_and_mul.argtypes = [_PTR, _PTR, _INT, _INT, ctypes.c_int]
         for function in (self._add_rms_norm, self._rms_norm, self._silu_and_mul):
             function.restype = None
+        self._rotary_and_cache = library.rotary_and_cache_float32
+        self._rotary_and_cache.argtypes = [_PTR] * 6 + [_INT] * 6 + [ctypes.c_int]
+        self._rotary_and_cache.restype = _INT
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -77,6 +82,51 @@ class CpuLayerOps:
         self._silu_and_mul(out.data_ptr(), x.data_ptr(), num_rows, size, torch.get_num_threads())
         return out
 
+    def rotary_and_cache(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """RoPE on the fused projection's q and k heads, as ``apply_rotary_emb``; k and v
+        written to their slots of ``kv_cache`` (as ``reshape_and_cache``); returns the rotated
+        query, ``[num_tokens, num_heads, head_size]``, contiguous.
+
+        qkv: ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_size]``; cos, signed_sin:
+        ``[num_tokens, 1, head_size]``; kv_cache: ``[2, num_blocks, block_size, num_kv_heads,
+        head_size]``; slot_mapping: int64 ``[num_tokens]``, each slot inside the cache.
+        """
+        _check(qkv, cos, signed_sin, kv_cache)
+        num_tokens = qkv.shape[0]
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        if (
+            qkv.dim() != 2
+            or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_size
+            or cos.shape != (num_tokens, 1, head_size)
+            or signed_sin.shape != cos.shape
+            or head_size % 2
+        ):
+            raise ValueError("rotary_and_cache: qkv, cos or signed_sin do not match the cache")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+            raise ValueError("rotary_and_cache: slot_mapping must be int64, one slot per token")
+        if not slot_mapping.is_contiguous():
+            raise ValueError("rotary_and_cache: slot_mapping must be contiguous")
+        query = torch.empty(num_tokens, num_heads, head_size)
+        bad = self._rotary_and_cache(
+            query.data_ptr(), qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+            kv_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads, num_kv_heads,
+            head_size, qkv.shape[1], num_blocks * block_size, torch.get_num_threads(),
+        )  # fmt: skip
+        if bad >= 0:
+            raise ValueError(
+                f"rotary_and_cache: token {bad}'s slot {int(slot_mapping[bad])} is outside the "
+                f"cache ({num_blocks * block_size} slots)"
+            )
+        return query
+
 
 def load_cpu_layer_ops() -> CpuLayerOps | None:
     """The ops, or None when the CPU kernels cannot be built (warned once per process)."""
@@ -85,12 +135,14 @@ def load_cpu_layer_ops() -> CpuLayerOps | None:
 
 
 def attach(model: nn.Module, ops: CpuLayerOps) -> int:
-    """Give ``ops`` to every ``RMSNorm`` and ``SiluAndMul`` of ``model``, which must run in
-    fp32 on the CPU; returns how many modules took them."""
+    """Give ``ops`` to every ``RMSNorm``, ``SiluAndMul`` and ``LlamaAttention`` of ``model``,
+    which must run in fp32 on the CPU; returns how many modules took them."""
     from pagedkv.model.activation import SiluAndMul
+    from pagedkv.model.llama import LlamaAttention
     from pagedkv.model.rms_norm import RMSNorm
 
-    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, SiluAndMul))]
+    kinds = (RMSNorm, SiluAndMul, LlamaAttention)
+    modules = [m for m in model.modules() if isinstance(m, kinds)]
     for module in modules:
         module.cpu_ops = ops
     return len(modules)

@@ -8,6 +8,7 @@ separate tensors are copied, transposed, into column ranges of the fused weight
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from pagedkv.model.lm_head import LMHead
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from pagedkv.model.vocab_embedding import VocabEmbedding
+
+if TYPE_CHECKING:
+    from pagedkv.model.cpu_layer_ops import CpuLayerOps
 
 
 class LlamaAttention(nn.Module):
@@ -36,6 +40,9 @@ class LlamaAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, o_proj_bias)
+        #: The compiled fp32 CPU ops (``cpu_layer_ops.attach``): RoPE and the cache write in one
+        #: call; None: torch ops and the backend's ``reshape_and_cache``.
+        self.cpu_ops: CpuLayerOps | None = None
 
     def forward(
         self,
@@ -46,18 +53,24 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        qk_size = self.q_size + self.kv_size
-        # q and k are adjacent in the fused output: one rotary call covers both.
-        qk = apply_rotary_emb(qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, signed_sin)
-        query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        value = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-
         kv_cache = ctx.kv_caches[self.layer_idx]
         metadata = ctx.attn_metadata[self.layer_idx]
         connector = ctx.kv_connector
         if connector is not None:
             connector.wait_for_layer_load(self.layer_idx)
-        ctx.backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        if self.cpu_ops is not None:
+            query = self.cpu_ops.rotary_and_cache(
+                qkv, cos, signed_sin, kv_cache, metadata.slot_mapping, self.num_heads
+            )
+        else:
+            qk_size = self.q_size + self.kv_size
+            # q and k are adjacent in the fused output: one rotary call covers both.
+            qk = apply_rotary_emb(
+                qkv[:, :qk_size].view(num_tokens, -1, self.head_dim), cos, signed_sin
+            )
+            query, key = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            value = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            ctx.backend.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
         if connector is not None:
             connector.save_kv_layer(self.layer_idx, kv_cache, metadata)
         out = ctx.backend.forward(query, kv_cache, metadata, self.scaling)

@@ -73,3 +73,43 @@ def test_the_ops_refuse_what_the_c_side_cannot_take(ops) -> None:
         ops.add_rms_norm(x, torch.zeros(4, 9), weight, 1e-6)
     with pytest.raises(ValueError, match=r"2 \* size"):
         ops.silu_and_mul(torch.zeros(4, 7))
+
+
+def _rope_inputs(num_tokens: int, num_heads: int = 4, num_kv_heads: int = 2, head_size: int = 16):
+    from pagedkv.model.config import RopeConfig
+    from pagedkv.model.rotary_embedding import RotaryEmbedding
+
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, seed=10)
+    rope = RotaryEmbedding(head_size, RopeConfig(rope_type="default", rope_theta=10000.0))
+    cos, signed_sin = rope(torch.arange(num_tokens) * 7 + 3, torch.float32)
+    kv_cache = torch.zeros(2, 16, 4, num_kv_heads, head_size)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(11))[:num_tokens]
+    return qkv, cos, signed_sin, kv_cache, slots
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_rotary_and_cache_equals_rope_then_reshape_and_cache(ops, num_tokens: int) -> None:
+    from pagedkv.attention.paged_attention import reshape_and_cache
+    from pagedkv.model.rotary_embedding import apply_rotary_emb
+
+    qkv, cos, signed_sin, kv_cache, slots = _rope_inputs(num_tokens)
+    expected_cache = kv_cache.clone()
+    qk = apply_rotary_emb(qkv[:, : 6 * 16].view(num_tokens, 6, 16), cos, signed_sin)
+    value = qkv[:, 6 * 16 :].view(num_tokens, 2, 16)
+    reshape_and_cache(qk[:, 4:], value, expected_cache, slots)
+    query = ops.rotary_and_cache(qkv, cos, signed_sin, kv_cache, slots, num_heads=4)
+    assert query.is_contiguous() and query.shape == (num_tokens, 4, 16)
+    torch.testing.assert_close(query, qk[:, :4])
+    torch.testing.assert_close(kv_cache, expected_cache)
+
+
+def test_rotary_and_cache_refuses_a_slot_outside_the_cache_and_writes_nothing(ops) -> None:
+    qkv, cos, signed_sin, kv_cache, slots = _rope_inputs(3)
+    slots[2] = 64  # one past the last of 16 blocks x 4 slots
+    with pytest.raises(ValueError, match="token 2's slot 64 is outside the cache"):
+        ops.rotary_and_cache(qkv, cos, signed_sin, kv_cache, slots, num_heads=4)
+    assert not kv_cache.any()
+    with pytest.raises(ValueError, match="do not match the cache"):
+        ops.rotary_and_cache(qkv, cos, signed_sin, kv_cache, slots, num_heads=3)
+    with pytest.raises(ValueError, match="int64"):
+        ops.rotary_and_cache(qkv, cos, signed_sin, kv_cache, slots.int(), num_heads=4)
