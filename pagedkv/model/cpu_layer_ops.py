@@ -114,7 +114,7 @@ class CpuLayerOps:
             raise ValueError("rotary_and_cache: slot_mapping must be int64, one slot per token")
         if not slot_mapping.is_contiguous():
             raise ValueError("rotary_and_cache: slot_mapping must be contiguous")
-        query = torch.empty(num_tokens, num_heads, head_size)
+        query = torch.empty(num_tokens, num_heads, head_size, dtype=qkv.dtype)
         bad = self._rotary_and_cache(
             query.data_ptr(), qkv.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
             kv_cache.data_ptr(), slot_mapping.data_ptr(), num_tokens, num_heads, num_kv_heads,
