@@ -56,7 +56,7 @@ class PagedDecode:
         if function is None:
             raise ValueError(f"paged_decode: unsupported dtype {query.dtype}")
         tensors = (out, query, kv_cache, token_indices, block_table, seq_lens, first_keys)
-        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        if not all(t.is_cpu and t.is_contiguous() for t in tensors):
             raise ValueError("paged_decode: every tensor must be a contiguous CPU tensor")
         if out.dtype != query.dtype or kv_cache.dtype != query.dtype:
             raise ValueError("paged_decode: out, query and kv_cache must share one dtype")

@@ -25,7 +25,7 @@ _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 def _check(*tensors: torch.Tensor) -> None:
     """The C side trusts its inputs: fp32, contiguous, on the CPU."""
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
             raise ValueError("layer ops: tensors must be contiguous fp32 CPU tensors")
 
 

@@ -36,12 +36,21 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes, once per forward, the tables every layer applies with ``apply_rotary_emb``."""
+    """Looks up, once per forward, the tables every layer applies with ``apply_rotary_emb``.
+
+    As vLLM's ``cos_sin_cache``, the tables are computed once for a range of positions and
+    indexed per step: ``[num_positions, head_dim]`` each, grown to the next power of two when a
+    position past them comes (a model of 128k positions allocates only what its requests reach).
+    A row equals, bit for bit, what the same operations give for that position alone: each value
+    is ``cos``/``sin`` of the same fp32 product.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         # Built on the CPU explicitly, so it is real even when the layers are built on "meta".
         self.register_buffer("inv_freq", compute_inv_freq(rope, head_dim), persistent=False)
+        self.register_buffer("cos_cache", None, persistent=False)
+        self.register_buffer("signed_sin_cache", None, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -50,11 +59,22 @@ class RotaryEmbedding(nn.Module):
 
         ``signed_sin = cat(-sin, sin)`` so that rotating half the head is one ``roll``.
         """
-        freqs = positions[:, None].float() * self.inv_freq
+        cached = self.cos_cache
+        if cached is None or cached.dtype != dtype or cached.device != positions.device:
+            self._build(1, dtype, positions.device)
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            self._build(int(positions.max()) + 1, dtype, positions.device)
+        cos = self.cos_cache.index_select(0, positions)
+        signed_sin = self.signed_sin_cache.index_select(0, positions)
+        return cos.unsqueeze(1), signed_sin.unsqueeze(1)
+
+    def _build(self, num_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        size = max(1 << (num_positions - 1).bit_length(), 256)
+        positions = torch.arange(size, device=device)
+        freqs = positions[:, None].float() * self.inv_freq.to(device)
         cos, sin = freqs.cos(), freqs.sin()
-        cos = torch.cat((cos, cos), dim=-1)
-        signed_sin = torch.cat((-sin, sin), dim=-1)
-        return cos.to(dtype).unsqueeze(1), signed_sin.to(dtype).unsqueeze(1)
+        self.cos_cache = torch.cat((cos, cos), dim=-1).to(dtype)
+        self.signed_sin_cache = torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

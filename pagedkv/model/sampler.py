@@ -7,6 +7,7 @@ per row. Values are validated upstream (``SamplingParams``), not here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -14,7 +15,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-_SAMPLING_EPS = 1e-5
+from pagedkv.model.cpu_argmax import CpuArgmax, load_cpu_argmax
+
+SAMPLING_EPS = 1e-5
 # top_p first looks for its cut-off among this many most likely tokens, and sorts the whole
 # vocabulary only when some row's candidates do not reach p (a sort of 64 x 32000 logits costs
 # ~125 ms on one CPU core, this topk a few ms).
@@ -46,10 +49,13 @@ class SamplingMetadata:
     max_num_logprobs: int | None = None  # top-k logprobs per row; 0 = sampled token's only
     #: Structured outputs: the tokens each row may sample (rows without a grammar: all).
     allowed_token_mask: torch.Tensor | None = None  # bool [N, vocab]
+    #: Every row is greedy (as vLLM's ``all_greedy``): temperature, top-k, top-p and min-p and
+    #: the generators are then unused. None: derived from ``temperature``.
+    all_greedy: bool | None = None
 
     @property
     def greedy_rows(self) -> torch.Tensor:
-        return self.temperature < _SAMPLING_EPS
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:
@@ -73,11 +79,27 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
+@functools.cache
+def _cpu_argmax() -> CpuArgmax | None:
+    return load_cpu_argmax()
+
+
 def argmax(values: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest value of ``[N, V]`` ``values``: the first of equal ones and
     of NaNs, exactly as ``argmax``, which on CPU is a slow reduction (64 x 32000: 7 ms on one
-    core). ``amax`` over chunks of 128 columns is vectorised (1 ms); then ``argmax`` runs over
-    the chunk maxima and inside the one chunk that holds the first maximum."""
+    core). Contiguous fp32 CPU values go to the compiled kernel (``cpu_argmax``), others to
+    ``chunked_argmax``."""
+    if CpuArgmax.supports(values):
+        kernel = _cpu_argmax()
+        if kernel is not None:
+            return kernel(values)
+    return chunked_argmax(values)
+
+
+def chunked_argmax(values: torch.Tensor) -> torch.Tensor:
+    """``argmax`` in torch ops: ``amax`` over chunks of 128 columns is vectorised (64 x 32000:
+    1 ms on one core); then ``argmax`` runs over the chunk maxima and inside the one chunk that
+    holds the first maximum."""
     num_rows, vocab = values.shape
     if vocab < 4 * _ARGMAX_CHUNK:
         return values.argmax(dim=-1)
@@ -102,10 +124,13 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = None if num_logprobs is None else torch.log_softmax(logits, dim=-1)
     if metadata.has_penalties:
         logits = apply_penalties(logits, metadata)
-    greedy_rows = metadata.greedy_rows
-    if bool(greedy_rows.all()):
+    all_greedy = metadata.all_greedy
+    if all_greedy is None:
+        all_greedy = bool(metadata.greedy_rows.all())
+    if all_greedy:
         sampled = argmax(logits)
     else:
+        greedy_rows = metadata.greedy_rows
         sampled = _sample_random(logits, metadata, greedy_rows)
         if bool(greedy_rows.any()):
             sampled = torch.where(greedy_rows, argmax(logits), sampled)

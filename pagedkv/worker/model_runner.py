@@ -23,6 +23,7 @@ from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
+    SAMPLING_EPS,
     LogprobsTensors,
     SamplingMetadata,
     compute_prompt_logprobs,
@@ -333,7 +334,8 @@ class ModelRunner:
                 return None
             return torch.tensor(values, dtype=dtype, device=device)
 
-        top_k = column("top_k", 0, torch.int64)
+        all_greedy = all(p.temperature < SAMPLING_EPS for p in params)
+        top_k = None if all_greedy else column("top_k", 0, torch.int64)
         if top_k is not None:
             top_k = top_k.clamp(min=0)  # -1 and 0 both mean "off"
             if not bool(top_k.any()):
@@ -343,8 +345,8 @@ class ModelRunner:
         return SamplingMetadata(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=top_k,
-            top_p=column("top_p", 1.0),
-            min_p=column("min_p", 0.0),
+            top_p=None if all_greedy else column("top_p", 1.0),
+            min_p=None if all_greedy else column("min_p", 0.0),
             repetition_penalties=column("repetition_penalty", 1.0),
             presence_penalties=column("presence_penalty", 0.0),
             frequency_penalties=column("frequency_penalty", 0.0),
@@ -352,6 +354,7 @@ class ModelRunner:
             output_token_ids=[s.output_token_ids for s in states] if has_penalties else None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            all_greedy=all_greedy,
         )
 
     def _add_grammar_bitmask(

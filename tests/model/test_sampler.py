@@ -13,6 +13,7 @@ from pagedkv.model.sampler import (
     apply_top_k,
     apply_top_p,
     argmax,
+    chunked_argmax,
     compute_prompt_logprobs,
     sample,
 )
@@ -53,15 +54,33 @@ def test_greedy_is_exact_argmax() -> None:
     specials=st.lists(st.sampled_from([INF, -INF, float("nan")]), max_size=3),
     seed=st.integers(0, 2**16),
 )
-def test_chunked_argmax_equals_argmax(vocab, num_rows, levels, specials, seed) -> None:
+def test_argmax_equals_torch_argmax(vocab, num_rows, levels, specials, seed) -> None:
     """Few distinct values make ties everywhere: the first maximum (or NaN) must win, in any
-    chunk, the short last one included."""
+    chunk or block, the short last one included, in the compiled kernel (``argmax`` of fp32 CPU
+    values) and in the torch fallback (``chunked_argmax``)."""
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(0, levels, (num_rows, vocab), generator=gen).float()
     for special in specials:
         row, col = (int(torch.randint(0, n, (1,), generator=gen)) for n in (num_rows, vocab))
         values[row, col] = special
-    assert torch.equal(argmax(values), values.argmax(dim=-1))
+    expected = values.argmax(dim=-1)
+    assert torch.equal(argmax(values), expected)
+    assert torch.equal(chunked_argmax(values), expected)
+
+
+def test_argmax_of_rows_of_minus_infinity_and_of_a_strided_view() -> None:
+    values = torch.full((3, 700), -INF)
+    values[1, 650] = -1e30
+    assert argmax(values).tolist() == [0, 650, 0]
+    wide = torch.randn(4, 1400)
+    assert torch.equal(argmax(wide[:, ::2]), wide[:, ::2].argmax(dim=-1))
+
+
+def test_all_greedy_metadata_takes_the_argmax_whatever_the_temperature_says() -> None:
+    """``all_greedy`` comes from the request parameters; the tensor is not consulted."""
+    logits = random_logits(6)
+    out = sample(logits, SamplingMetadata(temperature=full(6, 0.7), all_greedy=True))
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
