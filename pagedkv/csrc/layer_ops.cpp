@@ -6,7 +6,9 @@
 #include <cstdint>
 
 namespace {
-constexpr int64_t kParallelMinElements = 1 << 16;
+// 8192 elements: at batch 64 the SiLU (44k elements) and RoPE (33k) calls already pay for it
+// (about 77 -> 58 and 82 -> 63 us per call on this project's 2-core CPU).
+constexpr int64_t kParallelMinElements = 1 << 13;
 
 // out = residual * rsqrt(mean(residual^2) + eps) * weight, one row of `hidden`.
 inline void normalize_row(float* out, const float* row, const float* weight, int64_t hidden,

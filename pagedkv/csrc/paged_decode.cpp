@@ -2,16 +2,24 @@
 // through the block table (no gathered copy). Plain C ABI, no torch headers: built in about a
 // second by cpu_kernels.py and called through ctypes with the tensors' data pointers.
 //
-// Work item = (decode request, KV head): its G = num_heads / num_kv_heads query heads share
-// each key and value row read. Three passes over the request's keys: scores and their max,
-// exp and sum, then the weighted sum of values. Scores are kept in a per-item buffer, so each
-// key and each value row is read once. Everything accumulates in fp32.
+// Two implementations, one answer (up to fp32 rounding):
+// - decode_generic, any dtype and shape: work item = (decode request, KV head), whose
+//   G = num_heads / num_kv_heads query heads share each key and value row read. Three passes
+//   over the request's keys: scores and their max, exp and sum, then the weighted sum of values.
+//   Scores are kept in a per-item buffer, so each key and each value row is read once.
+// - decode_float32_avx512, fp32 with head size 32, 64 or 128 where the CPU has AVX-512: one
+//   pass, vectorised by hand (below).
+// Everything accumulates in fp32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -75,9 +83,9 @@ inline void for_each_key(const T* half, const int32_t* row_table, int64_t first,
 }
 
 template <typename T>
-void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, const int32_t* table,
-            const int32_t* lens, const int32_t* firsts, float scale, const Shape s,
-            int num_threads) {
+void decode_generic(T* out, const T* query, const T* kv_cache, const int64_t* tokens,
+                    const int32_t* table, const int32_t* lens, const int32_t* firsts, float scale,
+                    const Shape s, int num_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t row_stride = s.num_kv_heads * s.head_size;  // one slot of one cache half
   const T* k_base = kv_cache;
@@ -138,6 +146,168 @@ void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, co
           o[g * s.head_size + d] = from_float<T>(acc[g * s.head_size + d] * inv_sum[g]);
     }
   }
+}
+
+
+#ifdef __AVX512F__
+// fp32 with head_size = 16 * kVecs, in one pass over each work item's keys (online softmax, as
+// flash attention): the K and V rows of a chunk of up to kChunk keys are read once, for every
+// query head they serve; the chunk's probabilities come from one vectorised exp and rescale the
+// accumulators. A work item is a request (whole cache rows, read front to back) when there are
+// enough requests to keep the threads busy, else a (request, KV head). 64 decodes of <= 350
+// tokens, head size 32: 1.6-1.9 ms instead of 2.2 on 2 threads (the loop above).
+constexpr int64_t kMaxHeads = 32;
+constexpr int64_t kChunk = 16;
+
+template <int kVecs>
+void decode_float32_avx512(float* out, const float* query, const float* kv_cache,
+                           const int64_t* tokens, const int32_t* table, const int32_t* lens,
+                           const int32_t* firsts, float scale, const Shape s, int num_threads) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t row_stride = s.num_kv_heads * s.head_size;
+  const float* k_base = kv_cache;
+  const float* v_base = kv_cache + s.num_blocks * s.block_size * row_stride;
+  const bool whole_rows = s.num_rows >= 4 * num_threads && s.num_heads <= kMaxHeads;
+  const int64_t heads = whole_rows ? s.num_kv_heads : 1;  // KV heads per work item
+  const int64_t items_per_row = s.num_kv_heads / heads;
+  const int64_t qh = heads * group;
+  const int64_t item_bytes = heads * s.head_size * static_cast<int64_t>(sizeof(float));
+
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t item = 0; item < s.num_rows * items_per_row; ++item) {
+    const int64_t row = item / items_per_row, kv0 = (item % items_per_row) * heads;
+    const int64_t first = firsts[row], end = lens[row];
+    const int32_t* row_table = table + row * s.table_stride;
+    const float* q_row = query + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
+    const int64_t head_offset = kv0 * s.head_size;
+    __m512 q[kMaxHeads][kVecs], acc[kMaxHeads][kVecs];
+    float running_max[kMaxHeads], running_sum[kMaxHeads];
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t g = 0; g < qh; ++g) {
+      for (int v = 0; v < kVecs; ++v) {
+        q[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q_row + g * s.head_size + 16 * v), scale_v);
+        acc[g][v] = _mm512_setzero_ps();
+      }
+      running_sum[g] = 0.f;
+    }
+    bool started = false;
+    for (int64_t pos = first; pos < end;) {
+      const int64_t offset = pos % s.block_size;
+      const int64_t in_block = std::min(s.block_size - offset, end - pos);
+      const int64_t slot = row_table[pos / s.block_size] * s.block_size + offset;
+      const float* k_rows = k_base + slot * row_stride + head_offset;
+      const float* v_rows = v_base + slot * row_stride + head_offset;
+      const int64_t next = pos + in_block;
+      if (next < end) {  // the next block's rows, K and V, while this one is computed
+        const int64_t next_slot = row_table[next / s.block_size] * s.block_size;
+        const int64_t rows = std::min(s.block_size, end - next);
+        for (int64_t j = 0; j < rows; ++j) {
+          const int64_t at = (next_slot + j) * row_stride + head_offset;
+          const char* k = reinterpret_cast<const char*>(k_base + at);
+          const char* v = reinterpret_cast<const char*>(v_base + at);
+          for (int64_t byte = 0; byte < item_bytes; byte += 64) {
+            __builtin_prefetch(k + byte);
+            __builtin_prefetch(v + byte);
+          }
+        }
+      }
+      for (int64_t c = 0; c < in_block; c += kChunk) {
+        const int64_t n = std::min(kChunk, in_block - c);
+        const float* kc = k_rows + c * row_stride;
+        const float* vc = v_rows + c * row_stride;
+        alignas(64) float score[kMaxHeads][kChunk];
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* k = kc + j * row_stride + h * s.head_size;
+            __m512 kv[kVecs];
+            for (int v = 0; v < kVecs; ++v) kv[v] = _mm512_loadu_ps(k + 16 * v);
+            for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+              __m512 dot = _mm512_mul_ps(q[g][0], kv[0]);
+              for (int v = 1; v < kVecs; ++v) dot = _mm512_fmadd_ps(q[g][v], kv[v], dot);
+              score[g][j] = _mm512_reduce_add_ps(dot);
+            }
+          }
+        }
+        alignas(64) float p[kMaxHeads][kChunk];
+        for (int64_t g = 0; g < qh; ++g) {
+          float chunk_max = score[g][0];
+          for (int64_t j = 1; j < n; ++j) chunk_max = std::max(chunk_max, score[g][j]);
+          for (int64_t j = n; j < kChunk; ++j) score[g][j] = -1e30f;  // exp() gives 0
+          const float new_max = started ? std::max(running_max[g], chunk_max) : chunk_max;
+          const float alpha = started ? std::exp(running_max[g] - new_max) : 0.f;
+          float chunk_sum = 0.f;
+#pragma omp simd reduction(+ : chunk_sum)
+          for (int64_t j = 0; j < kChunk; ++j) {
+            p[g][j] = std::exp(score[g][j] - new_max);
+            chunk_sum += p[g][j];
+          }
+          running_sum[g] = running_sum[g] * alpha + chunk_sum;
+          running_max[g] = new_max;
+          const __m512 alpha_v = _mm512_set1_ps(alpha);
+          for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], alpha_v);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* vr = vc + j * row_stride + h * s.head_size;
+            __m512 vv[kVecs];
+            for (int v = 0; v < kVecs; ++v) vv[v] = _mm512_loadu_ps(vr + 16 * v);
+            for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+              const __m512 pj = _mm512_set1_ps(p[g][j]);
+              for (int v = 0; v < kVecs; ++v) acc[g][v] = _mm512_fmadd_ps(pj, vv[v], acc[g][v]);
+            }
+          }
+        }
+        started = true;
+      }
+      pos = next;
+    }
+    float* o = out + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
+    for (int64_t g = 0; g < qh; ++g) {
+      const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
+      for (int v = 0; v < kVecs; ++v)
+        _mm512_storeu_ps(o + g * s.head_size + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+    }
+  }
+}
+
+// The one-pass kernel when the shape has one; false: the caller runs the generic one.
+bool decode_float32_fast(float* out, const float* query, const float* kv_cache,
+                         const int64_t* tokens, const int32_t* table, const int32_t* lens,
+                         const int32_t* firsts, float scale, const Shape s, int num_threads) {
+  if (s.num_heads / s.num_kv_heads > kMaxHeads) return false;
+  switch (s.head_size) {
+    case 32:
+      decode_float32_avx512<2>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                               num_threads);
+      return true;
+    case 64:
+      decode_float32_avx512<4>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                               num_threads);
+      return true;
+    case 128:
+      decode_float32_avx512<8>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                               num_threads);
+      return true;
+    default:
+      return false;
+  }
+}
+#else
+bool decode_float32_fast(float*, const float*, const float*, const int64_t*, const int32_t*,
+                         const int32_t*, const int32_t*, float, const Shape, int) {
+  return false;
+}
+#endif
+
+template <typename T>
+void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, const int32_t* table,
+            const int32_t* lens, const int32_t* firsts, float scale, const Shape s,
+            int num_threads) {
+  if constexpr (std::is_same_v<T, float>)
+    if (decode_float32_fast(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                            num_threads))
+      return;
+  decode_generic(out, query, kv_cache, tokens, table, lens, firsts, scale, s, num_threads);
 }
 
 }  // namespace
