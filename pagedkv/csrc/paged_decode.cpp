@@ -7,15 +7,14 @@
 //   G = num_heads / num_kv_heads query heads share each key and value row read. Three passes
 //   over the request's keys: scores and their max, exp and sum, then the weighted sum of values.
 //   Scores are kept in a per-item buffer, so each key and each value row is read once.
-// - decode_float32_avx512, fp32 with head size 32, 64 or 128 where the CPU has AVX-512: one
-//   pass, vectorised by hand (below).
+// - decode_avx512, head size 32, 64 or 128 where the CPU has AVX-512: one pass, vectorised by
+//   hand (below); fp16 and bf16 are widened to fp32 as they are loaded.
 // Everything accumulates in fp32.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -150,7 +149,7 @@ void decode_generic(T* out, const T* query, const T* kv_cache, const int64_t* to
 
 
 #ifdef __AVX512F__
-// fp32 with head_size = 16 * kVecs, in one pass over each work item's keys (online softmax, as
+// head_size = 16 * kVecs, in one pass over each work item's keys (online softmax, as
 // flash attention): the K and V rows of a chunk of up to kChunk keys are read once, for every
 // query head they serve; the chunk's probabilities come from one vectorised exp and rescale the
 // accumulators; a chunk's 16 dot products are summed across lanes together (sum_lanes). A work
@@ -180,8 +179,9 @@ inline __m512 sum_lanes(const __m512 d[16]) {
 // Prefetches the next block's rows (K and V) in step with the work done on the current block:
 // spread over it, not in one burst at its start that stalls on the core's limit of outstanding
 // misses (64 decodes of <= 350 tokens, head size 32, 2 threads: 1.3 vs 1.7 ms).
+template <typename T>
 struct SpreadPrefetch {
-  const float *k_base, *v_base;
+  const T *k_base, *v_base;
   int64_t row_stride, row_bytes, first_slot, head_offset, num_rows;
   int64_t done = 0;
 
@@ -198,33 +198,43 @@ struct SpreadPrefetch {
   }
 };
 
-template <int kVecs>
-void decode_float32_avx512(float* out, const float* query, const float* kv_cache,
-                           const int64_t* tokens, const int32_t* table, const int32_t* lens,
-                           const int32_t* firsts, float scale, const Shape s, int num_threads) {
+// 16 values from T to fp32: bf16 and fp16 widen exactly.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const bf16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T, int kVecs>
+void decode_avx512(T* out, const T* query, const T* kv_cache, const int64_t* tokens,
+                   const int32_t* table, const int32_t* lens, const int32_t* firsts, float scale,
+                   const Shape s, int num_threads) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t row_stride = s.num_kv_heads * s.head_size;
-  const float* k_base = kv_cache;
-  const float* v_base = kv_cache + s.num_blocks * s.block_size * row_stride;
+  const T* k_base = kv_cache;
+  const T* v_base = kv_cache + s.num_blocks * s.block_size * row_stride;
   const bool whole_rows = s.num_rows >= 4 * num_threads && s.num_heads <= kMaxHeads;
   const int64_t heads = whole_rows ? s.num_kv_heads : 1;  // KV heads per work item
   const int64_t items_per_row = s.num_kv_heads / heads;
   const int64_t qh = heads * group;
-  const int64_t item_bytes = heads * s.head_size * static_cast<int64_t>(sizeof(float));
+  const int64_t item_bytes = heads * s.head_size * static_cast<int64_t>(sizeof(T));
 
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t item = 0; item < s.num_rows * items_per_row; ++item) {
     const int64_t row = item / items_per_row, kv0 = (item % items_per_row) * heads;
     const int64_t first = firsts[row], end = lens[row];
     const int32_t* row_table = table + row * s.table_stride;
-    const float* q_row = query + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
+    const T* q_row = query + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
     const int64_t head_offset = kv0 * s.head_size;
     __m512 q[kMaxHeads][kVecs], acc[kMaxHeads][kVecs];
     float running_max[kMaxHeads], running_sum[kMaxHeads];
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t g = 0; g < qh; ++g) {
       for (int v = 0; v < kVecs; ++v) {
-        q[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q_row + g * s.head_size + 16 * v), scale_v);
+        q[g][v] = _mm512_mul_ps(load16(q_row + g * s.head_size + 16 * v), scale_v);
         acc[g][v] = _mm512_setzero_ps();
       }
       running_sum[g] = 0.f;
@@ -234,28 +244,28 @@ void decode_float32_avx512(float* out, const float* query, const float* kv_cache
       const int64_t offset = pos % s.block_size;
       const int64_t in_block = std::min(s.block_size - offset, end - pos);
       const int64_t slot = row_table[pos / s.block_size] * s.block_size + offset;
-      const float* k_rows = k_base + slot * row_stride + head_offset;
-      const float* v_rows = v_base + slot * row_stride + head_offset;
+      const T* k_rows = k_base + slot * row_stride + head_offset;
+      const T* v_rows = v_base + slot * row_stride + head_offset;
       const int64_t next = pos + in_block;
       const int64_t next_rows = next < end ? std::min(s.block_size, end - next) : 0;
-      SpreadPrefetch prefetch{k_base, v_base, row_stride, item_bytes,
-                              next < end ? row_table[next / s.block_size] * s.block_size : 0,
-                              head_offset, next_rows};
+      SpreadPrefetch<T> prefetch{k_base, v_base, row_stride, item_bytes,
+                                 next < end ? row_table[next / s.block_size] * s.block_size : 0,
+                                 head_offset, next_rows};
       for (int64_t c = 0; c < in_block; c += kChunk) {
         const int64_t n = std::min(kChunk, in_block - c);
-        const float* kc = k_rows + c * row_stride;
-        const float* vc = v_rows + c * row_stride;
+        const T* kc = k_rows + c * row_stride;
+        const T* vc = v_rows + c * row_stride;
         const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
         for (int64_t g = 0; g < qh; ++g) {
           prefetch.rows_upto((c * qh + (g + 1) * n) * next_rows / (in_block * qh) + 1);
-          const float* kg = kc + (g / group) * s.head_size;
+          const T* kg = kc + (g / group) * s.head_size;
           __m512 dots[kChunk];
           for (int64_t j = 0; j < kChunk; ++j) {
             if (j < n) {
-              const float* k = kg + j * row_stride;
-              __m512 dot = _mm512_mul_ps(q[g][0], _mm512_loadu_ps(k));
+              const T* k = kg + j * row_stride;
+              __m512 dot = _mm512_mul_ps(q[g][0], load16(k));
               for (int v = 1; v < kVecs; ++v)
-                dot = _mm512_fmadd_ps(q[g][v], _mm512_loadu_ps(k + 16 * v), dot);
+                dot = _mm512_fmadd_ps(q[g][v], load16(k + 16 * v), dot);
               dots[j] = dot;
             } else {
               dots[j] = _mm512_setzero_ps();
@@ -274,11 +284,11 @@ void decode_float32_avx512(float* out, const float* query, const float* kv_cache
           const __m512 alpha_v = _mm512_set1_ps(alpha);
           __m512 a[kVecs];
           for (int v = 0; v < kVecs; ++v) a[v] = _mm512_mul_ps(acc[g][v], alpha_v);
-          const float* vg = vc + (g / group) * s.head_size;
+          const T* vg = vc + (g / group) * s.head_size;
           for (int64_t j = 0; j < n; ++j) {
             const __m512 pj = _mm512_set1_ps(p[j]);
             for (int v = 0; v < kVecs; ++v)
-              a[v] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vg + j * row_stride + 16 * v), a[v]);
+              a[v] = _mm512_fmadd_ps(pj, load16(vg + j * row_stride + 16 * v), a[v]);
           }
           for (int v = 0; v < kVecs; ++v) acc[g][v] = a[v];
         }
@@ -287,40 +297,45 @@ void decode_float32_avx512(float* out, const float* query, const float* kv_cache
       prefetch.rows_upto(next_rows);
       pos = next;
     }
-    float* o = out + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
+    T* o = out + (tokens[row] * s.num_heads + kv0 * group) * s.head_size;
     for (int64_t g = 0; g < qh; ++g) {
       const __m512 inv = _mm512_set1_ps(1.f / running_sum[g]);
-      for (int v = 0; v < kVecs; ++v)
-        _mm512_storeu_ps(o + g * s.head_size + 16 * v, _mm512_mul_ps(acc[g][v], inv));
+      alignas(64) float values[16];
+      for (int v = 0; v < kVecs; ++v) {
+        _mm512_store_ps(values, _mm512_mul_ps(acc[g][v], inv));
+        for (int i = 0; i < 16; ++i) o[g * s.head_size + 16 * v + i] = from_float<T>(values[i]);
+      }
     }
   }
 }
 
 // The one-pass kernel when the shape has one; false: the caller runs the generic one.
-bool decode_float32_fast(float* out, const float* query, const float* kv_cache,
-                         const int64_t* tokens, const int32_t* table, const int32_t* lens,
-                         const int32_t* firsts, float scale, const Shape s, int num_threads) {
+template <typename T>
+bool decode_fast(T* out, const T* query, const T* kv_cache, const int64_t* tokens,
+                 const int32_t* table, const int32_t* lens, const int32_t* firsts, float scale,
+                 const Shape s, int num_threads) {
   if (s.num_heads / s.num_kv_heads > kMaxHeads) return false;
   switch (s.head_size) {
     case 32:
-      decode_float32_avx512<2>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
-                               num_threads);
+      decode_avx512<T, 2>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                          num_threads);
       return true;
     case 64:
-      decode_float32_avx512<4>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
-                               num_threads);
+      decode_avx512<T, 4>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                          num_threads);
       return true;
     case 128:
-      decode_float32_avx512<8>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
-                               num_threads);
+      decode_avx512<T, 8>(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
+                          num_threads);
       return true;
     default:
       return false;
   }
 }
 #else
-bool decode_float32_fast(float*, const float*, const float*, const int64_t*, const int32_t*,
-                         const int32_t*, const int32_t*, float, const Shape, int) {
+template <typename T>
+bool decode_fast(T*, const T*, const T*, const int64_t*, const int32_t*, const int32_t*,
+                 const int32_t*, float, const Shape, int) {
   return false;
 }
 #endif
@@ -329,11 +344,8 @@ template <typename T>
 void decode(T* out, const T* query, const T* kv_cache, const int64_t* tokens, const int32_t* table,
             const int32_t* lens, const int32_t* firsts, float scale, const Shape s,
             int num_threads) {
-  if constexpr (std::is_same_v<T, float>)
-    if (decode_float32_fast(out, query, kv_cache, tokens, table, lens, firsts, scale, s,
-                            num_threads))
-      return;
-  decode_generic(out, query, kv_cache, tokens, table, lens, firsts, scale, s, num_threads);
+  if (!decode_fast(out, query, kv_cache, tokens, table, lens, firsts, scale, s, num_threads))
+    decode_generic(out, query, kv_cache, tokens, table, lens, firsts, scale, s, num_threads);
 }
 
 }  // namespace

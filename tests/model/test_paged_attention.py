@@ -166,28 +166,38 @@ def test_the_kernel_refuses_mismatched_inputs() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_kernel_16_bit_cache(dtype: torch.dtype) -> None:
-    """bf16 / fp16 caches: the kernel accumulates in fp32, like SDPA over the gathered copy."""
+@pytest.mark.parametrize("head_size", [16, 32, 128])
+@pytest.mark.parametrize("num_decodes", [3, 24])
+def test_decode_kernel_16_bit_cache(dtype: torch.dtype, head_size: int, num_decodes: int) -> None:
+    """bf16 / fp16 caches: the kernel accumulates in fp32, like SDPA over the gathered copy
+    (head sizes 32 and 128 take the one-pass AVX-512 kernel where the CPU has it, 16 the generic
+    one; with 24 decodes a work item is a whole request)."""
     gen = torch.Generator().manual_seed(3)
-    seq_lens = np.array([5, 40, 17], dtype=np.int32)
-    block_size, num_kv_heads, num_heads, head_size = 16, 2, 4, 32
+    seq_lens = np.random.default_rng(head_size).integers(1, 80, num_decodes).astype(np.int32)
+    block_size, num_kv_heads, num_heads = 16, 2, 4
+    max_blocks = math.ceil(int(seq_lens.max()) / block_size)
     num_blocks = 1 + int(sum(math.ceil(n / block_size) for n in seq_lens))
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
     kv_cache = kv_cache.to(dtype)
-    block_table = np.zeros((3, 3), dtype=np.int32)
+    block_table = np.zeros((num_decodes, max_blocks), dtype=np.int32)
     next_block = 1
     for row, n in enumerate(seq_lens):
         for b in range(math.ceil(n / block_size)):
             block_table[row, b] = next_block
             next_block += 1
     metadata = AttentionMetadata.from_numpy(
-        np.arange(4), seq_lens, block_table, np.zeros(3, dtype=np.int64), block_size
+        np.arange(num_decodes + 1),
+        seq_lens,
+        block_table,
+        np.zeros(num_decodes, dtype=np.int64),
+        block_size,
     )
-    query = torch.randn(3, num_heads, head_size, generator=gen).to(dtype)
+    query = torch.randn(num_decodes, num_heads, head_size, generator=gen).to(dtype)
     kernel = load_paged_decode()
     assert kernel is not None
     out = paged_attention(query, kv_cache, metadata, 0.2, decode_kernel=kernel)
     expected = paged_attention(query.float(), kv_cache.float(), metadata, 0.2)
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
