@@ -154,7 +154,9 @@ def test_bench_serve_for_a_duration_checks_each_answer_and_the_metrics(
     server: Server, tmp_path: Path
 ) -> None:
     """The load driver on a single instance: 4 clients back to back for 3 s; every request
-    answered exactly once; afterwards no request runs and no KV block is in use."""
+    answered exactly once, each with a fresh prompt (once the 8 prompts were reused in turn and
+    nearly every request was a prefix-cache hit); afterwards no request runs and no KV block is
+    in use."""
     result_json = tmp_path / "load.json"
     result = run_pagedkv(
         "bench", "serve",
@@ -163,6 +165,7 @@ def test_bench_serve_for_a_duration_checks_each_answer_and_the_metrics(
         "--input-len", "40",
         "--output-len", "8",
         "--num-prompts", "8",
+        "--seed", "4242",  # prompts no other test on this server sent
         "--duration", "3",
         "--max-concurrency", "4",
         "--check-metrics", server.base_url,
@@ -173,7 +176,8 @@ def test_bench_serve_for_a_duration_checks_each_answer_and_the_metrics(
     assert f"{server.base_url}: at rest" in result.stdout
     report = json.loads(result_json.read_text())
     summary, requests = report["summary"], report["requests"]
-    assert summary["failed"] == 0 and summary["completed"] == len(requests) > 8  # prompts reused
+    assert summary["failed"] == 0 and summary["completed"] == len(requests) > 8
+    assert summary["total_cached_tokens"] == 0  # 40 fresh tokens each: no block is a hit
     assert sorted(r["index"] for r in requests) == list(range(len(requests)))
     assert summary["instances"] == {server.base_url: True}
     assert "p99_ms" in summary["ttft"] and "p99_ms" in summary["itl"]
@@ -227,6 +231,30 @@ def test_bench_serve_load_needs_a_positive_concurrency() -> None:
 
     with pytest.raises(ValueError, match="max_concurrency must be >= 1"):
         asyncio.run(run_load("http://127.0.0.1:1", MODEL_NAME, [], max_concurrency=0))
+
+
+def test_request_sampler_draws_request_i_the_same_whatever_came_before() -> None:
+    from pagedkv.entrypoints.bench.datasets import RequestSampler, sample_requests
+    from pagedkv.entrypoints.bench.serve import run_load
+
+    sampler = RequestSampler("random", 12, 3, vocab_size=100, seed=7)
+    again = RequestSampler("random", 12, 3, vocab_size=100, seed=7)
+    assert again[5] == sampler[5] and sampler[5] != sampler[4]
+    assert len({tuple(sampler[i].prompt_token_ids) for i in range(200)}) == 200
+    assert sample_requests("random", 3, 12, 3, vocab_size=100, seed=7) == [
+        sampler[i] for i in range(3)
+    ]
+    shared = RequestSampler("shared-prefix", 5, 3, vocab_size=100, seed=7, prefix_len=8)
+    first, later = shared[0].prompt_token_ids, shared[1000].prompt_token_ids
+    assert len(first) == 13 and first[:8] == later[:8] and first[8:] != later[8:]
+    excluded = RequestSampler("random", 50, 1, vocab_size=4, seed=1, exclude_token_ids={0, 2})
+    assert set(excluded[3].prompt_token_ids) == {1, 3}
+    with pytest.raises(ValueError, match="seed must be >= 0"):
+        RequestSampler("random", 4, 1, vocab_size=9, seed=-1)
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        RequestSampler("x", 4, 1, vocab_size=9, seed=0)
+    with pytest.raises(ValueError, match="need a duration"):
+        asyncio.run(run_load("http://127.0.0.1:1", MODEL_NAME, sampler, max_concurrency=1))
 
 
 @pytest.mark.parametrize(

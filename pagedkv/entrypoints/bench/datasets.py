@@ -45,6 +45,55 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     return g
 
 
+class RequestSampler:
+    """Request ``index`` of a seeded synthetic workload, drawn on demand: the same seed and index
+    give the same prompt whatever was drawn before, so a run of any length gets a fresh prompt
+    per request (``bench serve --duration``). Prompts are drawn uniformly from the vocabulary
+    minus ``exclude_token_ids`` (e.g. special tokens); ``prefix_len`` is used by the
+    shared-prefix dataset only, whose prompts all start with the same prefix."""
+
+    def __init__(
+        self,
+        dataset: str,
+        input_len: int,
+        output_len: int,
+        vocab_size: int,
+        seed: int,
+        prefix_len: int = 0,
+        exclude_token_ids: Collection[int] = (),
+    ) -> None:
+        if dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+        if input_len < 1:
+            raise ValueError(f"input_len must be >= 1, got {input_len}")
+        if output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {output_len}")
+        if dataset == "shared-prefix" and prefix_len < 1:
+            raise ValueError(
+                f"prefix_len must be >= 1 for the shared-prefix dataset, got {prefix_len}"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        import numpy as np  # here, not at the top: `bench serve --help` imports this module
+
+        excluded = set(exclude_token_ids)
+        self._vocab = np.array([t for t in range(vocab_size) if t not in excluded])
+        shared = dataset == "shared-prefix"
+        self._prefix = (
+            np.random.default_rng(seed).choice(self._vocab, prefix_len).tolist() if shared else []
+        )
+        self.input_len, self.output_len, self.seed = input_len, output_len, seed
+
+    def __getitem__(self, index: int) -> BenchRequest:
+        if index < 0:
+            raise IndexError(f"request index must be >= 0, got {index}")
+        import numpy as np
+
+        rng = np.random.default_rng((self.seed, index))
+        suffix = rng.choice(self._vocab, self.input_len).tolist()
+        return BenchRequest(self._prefix + suffix, self.output_len)
+
+
 def sample_requests(
     dataset: str,
     num_prompts: int,
@@ -55,24 +104,10 @@ def sample_requests(
     prefix_len: int = 0,
     exclude_token_ids: Collection[int] = (),
 ) -> list[BenchRequest]:
-    """Prompts drawn uniformly from the vocabulary minus ``exclude_token_ids`` (e.g. special
-    tokens). ``prefix_len`` is used by the shared-prefix dataset only."""
-    if dataset not in DATASETS:
-        raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
-    for name, value in (("num_prompts", num_prompts), ("input_len", input_len)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if output_len < 1:
-        raise ValueError(f"output_len must be >= 1, got {output_len}")
-    if dataset == "shared-prefix" and prefix_len < 1:
-        raise ValueError(f"prefix_len must be >= 1 for the shared-prefix dataset, got {prefix_len}")
-    import numpy as np
-
-    excluded = set(exclude_token_ids)
-    vocab = np.array([t for t in range(vocab_size) if t not in excluded])
-    rng = np.random.default_rng(seed)
-    prefix = rng.choice(vocab, prefix_len).tolist() if dataset == "shared-prefix" else []
-    return [
-        BenchRequest(prefix + rng.choice(vocab, input_len).tolist(), output_len)
-        for _ in range(num_prompts)
-    ]
+    """The first ``num_prompts`` requests of ``RequestSampler``."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    sampler = RequestSampler(
+        dataset, input_len, output_len, vocab_size, seed, prefix_len, exclude_token_ids
+    )
+    return [sampler[index] for index in range(num_prompts)]

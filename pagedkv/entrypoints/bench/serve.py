@@ -6,7 +6,9 @@ output lengths) and ``stream_options.include_usage``. Two shapes of load:
 - a fixed set of ``--num-prompts`` requests, Poisson arrivals at ``--request-rate`` (inf: all
   at once), optionally capped at ``--max-concurrency`` in flight;
 - ``--duration S``: ``--max-concurrency N`` clients, each sending its next request as soon as
-  its last one ended, for S seconds (the prompts are reused in turn).
+  its last one ended, for S seconds, each request with a fresh prompt (``RequestSampler``: no
+  prefix-cache hit but the shared-prefix dataset's prefix, so a P/D pair moves every prompt's
+  KV).
 
 Several ``--base-url``s share the requests in turn (instances behind no proxy).
 ``--check-metrics URL...`` then checks that every listed instance comes back to rest: no
@@ -35,7 +37,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pagedkv.entrypoints.bench.datasets import BenchRequest, sample_requests
+from pagedkv.entrypoints.bench.datasets import BenchRequest, RequestSampler
 from pagedkv.entrypoints.bench.plot import plot_results
 from pagedkv.entrypoints.bench.results import (
     RequestResult,
@@ -137,7 +139,7 @@ async def send_request(
 async def run_load(
     base_url: str | Sequence[str],
     model: str,
-    requests: list[BenchRequest],
+    requests: Sequence[BenchRequest] | RequestSampler,
     *,
     api_key: str | None = None,
     request_rate: float = math.inf,
@@ -148,8 +150,9 @@ async def run_load(
     progress: bool = False,
 ) -> tuple[list[RequestResult], float]:
     """Send every request once, or (``duration``) keep ``max_concurrency`` clients busy for
-    that many seconds, reusing ``requests`` in turn. Request ``i`` goes to base URL
-    ``i % len(base_urls)``. Returns ``(results in request order, duration in seconds)``."""
+    that many seconds: request ``i`` is ``requests[i]`` from a ``RequestSampler``, or from a list
+    reused in turn. Request ``i`` goes to base URL ``i % len(base_urls)``. Returns ``(results
+    in request order, duration in seconds)``."""
     base_urls = [base_url] if isinstance(base_url, str) else list(base_url)
     if not base_urls:
         raise ValueError("run_load needs at least one base URL")
@@ -157,6 +160,9 @@ async def run_load(
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if duration is not None and max_concurrency is None:
         raise ValueError("a run for a duration needs max_concurrency >= 1 (the clients)")
+    sampled = isinstance(requests, RequestSampler)
+    if sampled and duration is None:
+        raise ValueError("requests from a RequestSampler need a duration (they never run out)")
     rng = np.random.default_rng(seed)
     run_id = uuid.uuid4().hex[:8]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -165,7 +171,7 @@ async def run_load(
     t0 = time.perf_counter()
 
     async def send(client: httpx.AsyncClient, index: int) -> RequestResult:
-        request = requests[index % len(requests)]
+        request = requests[index] if sampled else requests[index % len(requests)]
         url = base_urls[index % len(base_urls)]
         request_id = f"bench-{run_id}-{index}"
         result = await send_request(client, url, model, request, index, request_id, t0)
@@ -232,9 +238,8 @@ def run_bench_serve(args: argparse.Namespace) -> None:
             f"{args.output_len} output tokens exceed the server's max_model_len {max_model_len}"
         )
     try:
-        requests = sample_requests(
+        sampler = RequestSampler(
             args.dataset,
-            args.num_prompts,
             args.input_len,
             args.output_len,
             vocab_size=args.vocab_size,
@@ -243,6 +248,9 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         )
     except ValueError as e:
         sys.exit(f"pagedkv bench serve: {e}")
+    requests: list[BenchRequest] | RequestSampler = (
+        sampler if args.duration is not None else [sampler[i] for i in range(args.num_prompts)]
+    )
     results, duration = asyncio.run(
         run_load(
             base_urls,

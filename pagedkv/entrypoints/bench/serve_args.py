@@ -39,8 +39,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=None,
         metavar="S",
-        help="run --max-concurrency clients back to back for S seconds instead of sending "
-        "--num-prompts requests once",
+        help="run --max-concurrency clients back to back for S seconds, each request with a "
+        "fresh prompt, instead of sending --num-prompts requests once",
     )
     g = parser.add_argument_group("checks")
     g.add_argument(
