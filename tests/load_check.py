@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedkv.entrypoints.bench.datasets import sample_requests
+from pagedkv.entrypoints.bench.datasets import RequestSampler
 from pagedkv.entrypoints.bench.results import RequestResult, format_summary, summarize
 from pagedkv.entrypoints.bench.serve import run_load
 from pagedkv.entrypoints.bench.settle import wait_settled
@@ -29,9 +29,9 @@ def short_load(
     """Run ``clients`` streaming clients for ``seconds`` and check the run; returns the summary
     (printed: ``pytest -s`` shows each deployment's figures) and the results. Request ``i``
     sends prompt ``i % num_prompts`` to base URL ``i % len(base_urls)``."""
-    requests = sample_requests(
-        dataset, num_prompts, input_len, output_len, vocab_size=256, seed=seed, prefix_len=32
-    )
+    requests = RequestSampler(
+        dataset, input_len, output_len, vocab_size=256, seed=seed, prefix_len=32
+    ).first(num_prompts)
     results, duration = asyncio.run(
         run_load(
             base_urls,

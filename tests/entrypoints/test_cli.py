@@ -234,16 +234,16 @@ def test_bench_serve_load_needs_a_positive_concurrency() -> None:
 
 
 def test_request_sampler_draws_request_i_the_same_whatever_came_before() -> None:
-    from pagedkv.entrypoints.bench.datasets import RequestSampler, sample_requests
+    from pagedkv.entrypoints.bench.datasets import RequestSampler
     from pagedkv.entrypoints.bench.serve import run_load
 
     sampler = RequestSampler("random", 12, 3, vocab_size=100, seed=7)
     again = RequestSampler("random", 12, 3, vocab_size=100, seed=7)
     assert again[5] == sampler[5] and sampler[5] != sampler[4]
     assert len({tuple(sampler[i].prompt_token_ids) for i in range(200)}) == 200
-    assert sample_requests("random", 3, 12, 3, vocab_size=100, seed=7) == [
-        sampler[i] for i in range(3)
-    ]
+    assert sampler.first(3) == [sampler[0], sampler[1], sampler[2]]
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        sampler.first(0)
     shared = RequestSampler("shared-prefix", 5, 3, vocab_size=100, seed=7, prefix_len=8)
     first, later = shared[0].prompt_token_ids, shared[1000].prompt_token_ids
     assert len(first) == 13 and first[:8] == later[:8] and first[8:] != later[8:]

@@ -93,21 +93,8 @@ class RequestSampler:
         suffix = rng.choice(self._vocab, self.input_len).tolist()
         return BenchRequest(self._prefix + suffix, self.output_len)
 
-
-def sample_requests(
-    dataset: str,
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    vocab_size: int,
-    seed: int,
-    prefix_len: int = 0,
-    exclude_token_ids: Collection[int] = (),
-) -> list[BenchRequest]:
-    """The first ``num_prompts`` requests of ``RequestSampler``."""
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    sampler = RequestSampler(
-        dataset, input_len, output_len, vocab_size, seed, prefix_len, exclude_token_ids
-    )
-    return [sampler[index] for index in range(num_prompts)]
+    def first(self, num_prompts: int) -> list[BenchRequest]:
+        """Requests ``0 .. num_prompts - 1``."""
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        return [self[index] for index in range(num_prompts)]

@@ -249,7 +249,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     except ValueError as e:
         sys.exit(f"pagedkv bench serve: {e}")
     requests: list[BenchRequest] | RequestSampler = (
-        sampler if args.duration is not None else [sampler[i] for i in range(args.num_prompts)]
+        sampler if args.duration is not None else sampler.first(args.num_prompts)
     )
     results, duration = asyncio.run(
         run_load(

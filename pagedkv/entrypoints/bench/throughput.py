@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedkv.entrypoints.bench.datasets import add_dataset_args, sample_requests
+from pagedkv.entrypoints.bench.datasets import RequestSampler, add_dataset_args
 
 
 def _json_object(text: str) -> dict:
@@ -119,16 +119,15 @@ def run_throughput(args: argparse.Namespace) -> None:
             f"tokens exceed max_model_len {engine.max_model_len}: lower --input-len, "
             "--output-len or --prefix-len"
         )
-    requests = sample_requests(
+    requests = RequestSampler(
         args.dataset,
-        args.num_prompts,
         args.input_len,
         args.output_len,
         vocab_size=engine.vocab_size,
         seed=args.seed,
         prefix_len=prefix_len,
         exclude_token_ids=tokenizer.all_special_ids if tokenizer is not None else (),
-    )
+    ).first(args.num_prompts)
     structured = None
     if args.json_schema is not None:
         structured = StructuredOutputsParams(json=args.json_schema)
