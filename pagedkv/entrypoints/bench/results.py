@@ -29,7 +29,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
     prompt_tokens: int = 0
-    #: Prompt tokens the server found in its prefix cache.
+    #: Prompt tokens the server did not compute: its prefix-cache hits and, on a D instance,
+    #: the KV a P instance sent (``usage.prompt_tokens_details.cached_tokens``, as in vLLM).
     cached_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -74,7 +75,7 @@ def format_summary(summary: dict) -> str:
         f"{'Failed requests:':<40}{summary['failed']:>16}",
         f"{'Benchmark duration (s):':<40}{summary['duration_s']:>16.2f}",
         f"{'Total input tokens:':<40}{summary['total_input_tokens']:>16}",
-        f"{'  of which prefix-cache hits:':<40}{summary['total_cached_tokens']:>16}",
+        f"{'  of which cached (prefix hit or P KV):':<40}{summary['total_cached_tokens']:>16}",
         f"{'Total generated tokens:':<40}{summary['total_output_tokens']:>16}",
         f"{'Request throughput (req/s):':<40}{summary['request_throughput']:>16.2f}",
         f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>16.2f}",
