@@ -147,7 +147,6 @@ void decode_generic(T* out, const T* query, const T* kv_cache, const int64_t* to
   }
 }
 
-
 #ifdef __AVX512F__
 // head_size = 16 * kVecs, in one pass over each work item's keys (online softmax, as
 // flash attention): the K and V rows of a chunk of up to kChunk keys are read once, for every
