@@ -228,6 +228,7 @@ def test_decode_only_batch(window: int | None) -> None:
 @pytest.mark.parametrize("num_decodes", [3, 24])
 @pytest.mark.parametrize(("heads", "block_size", "window"), [
     ((8, 8), 16, None), ((8, 2), 32, 50), ((6, 2), 8, None), ((32, 1), 16, 20), ((40, 1), 16, None),
+    ((8, 2), 1, None), ((8, 4), 128, 70),
 ])  # fmt: skip
 def test_decode_kernel_every_work_split(
     head_size: int,
@@ -238,8 +239,8 @@ def test_decode_kernel_every_work_split(
 ) -> None:
     """fp32 head sizes 32, 64 and 128 take the one-pass AVX-512 kernel where the CPU has it,
     others the generic one. With many decodes a work item is a whole request, with few a
-    (request, KV head); blocks smaller and larger than its chunk of 16 keys; 1 to 32 query heads
-    per KV head (40: the generic kernel)."""
+    (request, KV head); blocks of 1 to 128 keys, smaller and larger than its chunk of 16; 1 to
+    32 query heads per KV head (40: the generic kernel)."""
     rng = np.random.default_rng(head_size + num_decodes)
     requests = [(int(c), 1) for c in rng.integers(1, 300, size=num_decodes)]
     run_case(requests, *heads, head_size, block_size, window, seed=head_size)
