@@ -59,11 +59,15 @@ class RotaryEmbedding(nn.Module):
 
         ``signed_sin = cat(-sin, sin)`` so that rotating half the head is one ``roll``.
         """
+        needed = int(positions.max()) + 1 if positions.numel() else 1
         cached = self.cos_cache
-        if cached is None or cached.dtype != dtype or cached.device != positions.device:
-            self._build(1, dtype, positions.device)
-        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
-            self._build(int(positions.max()) + 1, dtype, positions.device)
+        if (
+            cached is None
+            or cached.dtype != dtype
+            or cached.device != positions.device
+            or cached.shape[0] < needed
+        ):
+            self._build(needed, dtype, positions.device)
         cos = self.cos_cache.index_select(0, positions)
         signed_sin = self.signed_sin_cache.index_select(0, positions)
         return cos.unsqueeze(1), signed_sin.unsqueeze(1)
