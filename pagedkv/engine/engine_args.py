@@ -188,8 +188,8 @@ class EngineArgs:
             "--enforce-eager",
             action="store_true",
             help="no kernels compiled at startup (CPU: decode attention gathers blocks and "
-            "runs SDPA instead of the compiled paged decode kernel; norms, activations and "
-            "RoPE run as torch ops)",
+            "runs SDPA instead of the compiled paged decode kernel; norms, activations, "
+            "RoPE and the greedy argmax run as torch ops)",
         )
         g.add_argument(
             "--kv-transfer-config",

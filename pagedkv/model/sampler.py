@@ -7,7 +7,6 @@ per row. Values are validated upstream (``SamplingParams``), not here.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -15,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pagedkv.model.cpu_argmax import CpuArgmax, load_cpu_argmax
+from pagedkv.model.cpu_argmax import CpuArgmax
 
 SAMPLING_EPS = 1e-5
 # top_p first looks for its cut-off among this many most likely tokens, and sorts the whole
@@ -79,20 +78,13 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
-@functools.cache
-def _cpu_argmax() -> CpuArgmax | None:
-    return load_cpu_argmax()
-
-
-def argmax(values: torch.Tensor) -> torch.Tensor:
+def argmax(values: torch.Tensor, kernel: CpuArgmax | None = None) -> torch.Tensor:
     """Index of each row's largest value of ``[N, V]`` ``values``: the first of equal ones and
     of NaNs, exactly as ``argmax``, which on CPU is a slow reduction (64 x 32000: 7 ms on one
-    core). Contiguous fp32 CPU values go to the compiled kernel (``cpu_argmax``), others to
-    ``chunked_argmax``."""
-    if CpuArgmax.supports(values):
-        kernel = _cpu_argmax()
-        if kernel is not None:
-            return kernel(values)
+    core). Contiguous fp32 CPU values go to the compiled ``kernel`` when there is one, others
+    to ``chunked_argmax``."""
+    if kernel is not None and CpuArgmax.supports(values):
+        return kernel(values)
     return chunked_argmax(values)
 
 
@@ -116,8 +108,11 @@ def chunked_argmax(values: torch.Tensor) -> torch.Tensor:
     return start + values.gather(1, columns).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified."""
+def sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, argmax_kernel: CpuArgmax | None = None
+) -> SamplerOutput:
+    """Sample one token per row of fp32 ``logits [N, vocab]``; ``logits`` is not modified.
+    ``argmax_kernel``: the compiled CPU argmax (the model runner's, unless ``--enforce-eager``)."""
     if metadata.allowed_token_mask is not None:
         logits = logits.where(metadata.allowed_token_mask, float("-inf"))
     num_logprobs = metadata.max_num_logprobs
@@ -128,19 +123,22 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if all_greedy is None:
         all_greedy = bool(metadata.greedy_rows.all())
     if all_greedy:
-        sampled = argmax(logits)
+        sampled = argmax(logits, argmax_kernel)
     else:
         greedy_rows = metadata.greedy_rows
-        sampled = _sample_random(logits, metadata, greedy_rows)
+        sampled = _sample_random(logits, metadata, greedy_rows, argmax_kernel)
         if bool(greedy_rows.any()):
-            sampled = torch.where(greedy_rows, argmax(logits), sampled)
+            sampled = torch.where(greedy_rows, argmax(logits, argmax_kernel), sampled)
     if raw_logprobs is None:
         return SamplerOutput(sampled, None)
     return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, num_logprobs))
 
 
 def _sample_random(
-    logits: torch.Tensor, metadata: SamplingMetadata, greedy_rows: torch.Tensor
+    logits: torch.Tensor,
+    metadata: SamplingMetadata,
+    greedy_rows: torch.Tensor,
+    argmax_kernel: CpuArgmax | None,
 ) -> torch.Tensor:
     temperature = torch.where(greedy_rows, 1.0, metadata.temperature)
     logits = logits / temperature.unsqueeze(1)
@@ -158,7 +156,7 @@ def _sample_random(
         uniform.uniform_()
     for row, generator in metadata.generators.items():
         uniform[row].uniform_(generator=generator)
-    return argmax(probs.div_(uniform.log_().neg_()))
+    return argmax(probs.div_(uniform.log_().neg_()), argmax_kernel)
 
 
 def _token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
+from pagedkv.model.cpu_argmax import load_cpu_argmax
 from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
@@ -100,10 +101,13 @@ class ModelRunner:
             self.attn_backend.load_kernels(self.device)
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
-        if not args.enforce_eager and self.device.type == "cpu" and self.dtype == torch.float32:
+        compiled_cpu = not args.enforce_eager and self.device.type == "cpu"
+        if compiled_cpu and self.dtype == torch.float32:
             ops = load_cpu_layer_ops()
             if ops is not None:
                 attach(self.model, ops)
+        #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
+        self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config
         self.max_num_reqs = args.max_num_seqs
         if args.seed is not None:  # unseeded sampling draws from torch's default generator
@@ -299,7 +303,7 @@ class ModelRunner:
             metadata = self._sampling_metadata(states)
             if grammar_bitmask is not None:
                 self._add_grammar_bitmask(metadata, states, grammar_bitmask)
-            out = sample(logits, metadata)
+            out = sample(logits, metadata, self.argmax_kernel)
             tokens = out.sampled_token_ids.tolist()
             entries = _to_logprobs(out.logprobs) if out.logprobs is not None else None
             if entries is not None:
