@@ -6,7 +6,7 @@ else ``c++``) builds them in a few seconds; the library is cached under
 the flags and this CPU (``-march=native`` code only runs here). A build writes a temporary file
 and renames it into place, so concurrent first starts need no lock and a killed build leaves
 nothing half-written behind. Without a compiler the callers use torch ops, with one warning.
-Each kernel's wrapper (``attention/cpu_decode_attention.py``, ``model/cpu_layer_ops.py``)
+Each kernel's wrapper (``attention/cpu_paged_attention.py``, ``model/cpu_layer_ops.py``)
 checks shapes and dtypes before a pointer crosses.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -ffast-math lets the compiler vectorise exp (glibc's libmvec) and reorder sums; values stay
 # fp32. It is given to the compile step only: linking a shared library with it (GCC < 13) would
 # add crtfastmath, which turns on flush-to-zero for the whole process when the library loads.
@@ -40,7 +41,7 @@ def _library_path() -> Path:
     except OSError:
         lines = []
     cpu = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    sources = [f"{path.name}\n{path.read_text()}" for path in _SOURCES]
+    sources = [f"{path.name}\n{path.read_text()}" for path in (*_SOURCES, *_HEADERS)]
     key = "\n".join([*sources, *_COMPILE_FLAGS, *_LINK_FLAGS, *cpu])
     name = f"pagedkv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv"

@@ -34,13 +34,26 @@ class DecodeBucket:
 @dataclass(slots=True)
 class DecodeBatch:
     """Every request with a single query token, for a kernel that reads the block table itself
-    (``cpu_decode_attention``): row ``r`` attends to the keys at positions
+    (``cpu_paged_attention``): row ``r`` attends to the keys at positions
     ``[first_keys[r], seq_lens[r])`` through ``block_table[r]``."""
 
     token_indices: torch.Tensor  # int64 [num_rows]: row of each query in the flat batch
     block_table: torch.Tensor  # int32 [num_rows, max_num_blocks], contiguous
     seq_lens: torch.Tensor  # int32 [num_rows]
     first_keys: torch.Tensor  # int32 [num_rows]: 0 unless a sliding window bites
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """Every request with several query tokens, for a kernel that reads the block table itself
+    (``cpu_paged_attention``): chunk ``c`` is the ``query_lens[c]`` query tokens from row
+    ``token_starts[c]`` of the flat batch, at positions ``seq_lens[c] - query_lens[c]`` to
+    ``seq_lens[c] - 1``, its keys through ``block_table[c]``."""
+
+    token_starts: torch.Tensor  # int32 [num_chunks]
+    query_lens: torch.Tensor  # int32 [num_chunks]
+    seq_lens: torch.Tensor  # int32 [num_chunks]
+    block_table: torch.Tensor  # int32 [num_chunks, max_num_blocks], contiguous
 
 
 @dataclass(slots=True)
@@ -74,11 +87,11 @@ class AttentionMetadata:
                                          |---------|  keys seen: (6, 10]
                     |--skipped-| block 0 of the table may be the null block: never read
 
-    ``decode_batch`` and ``prefill_chunks`` are derived from the host copies once per step in
-    ``__post_init__``, because every layer of the group reads them; ``decode_buckets`` (for the
-    gathering path) on first use. Decodes are bucketed by context length: padding every decode
-    to the longest context would gather (and attend over) up to twice the keys on a typical
-    mixed batch.
+    ``decode_batch`` and ``prefill_batch`` (for the CPU kernels) are derived from the host copies
+    once per step in ``__post_init__``, because every layer of the group reads them;
+    ``decode_buckets`` and ``prefill_chunks`` (for the gathering path) on first use. Decodes are
+    bucketed by context length: padding every decode to the longest context would gather (and
+    attend over) up to twice the keys on a typical mixed batch.
     """
 
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
@@ -92,18 +105,26 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray
     seq_lens_cpu: np.ndarray
     decode_batch: DecodeBatch | None = field(init=False, repr=False)
-    prefill_chunks: list[PrefillChunk] = field(init=False, repr=False)
+    prefill_batch: PrefillBatch | None = field(init=False, repr=False)
     _decode_rows: np.ndarray = field(init=False, repr=False)
+    _prefill_rows: np.ndarray = field(init=False, repr=False)
     _decode_buckets: list[DecodeBucket] | None = field(init=False, repr=False)
+    _prefill_chunks: list[PrefillChunk] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         query_lens = np.diff(self.query_start_loc_cpu)
         self._decode_rows = np.flatnonzero(query_lens == 1)
-        self._decode_buckets = None
+        self._prefill_rows = np.flatnonzero(query_lens > 1)
+        self._decode_buckets = self._prefill_chunks = None
         self.decode_batch = self._build_decode_batch(self._decode_rows)
-        self.prefill_chunks = [
-            self._build_prefill_chunk(int(i)) for i in np.flatnonzero(query_lens > 1)
-        ]
+        self.prefill_batch = self._build_prefill_batch(self._prefill_rows, query_lens)
+
+    @property
+    def prefill_chunks(self) -> list[PrefillChunk]:
+        """Each request with several query tokens, for one SDPA call each (built on first use)."""
+        if self._prefill_chunks is None:
+            self._prefill_chunks = [self._build_prefill_chunk(int(i)) for i in self._prefill_rows]
+        return self._prefill_chunks
 
     @property
     def decode_buckets(self) -> list[DecodeBucket]:
@@ -163,6 +184,19 @@ class AttentionMetadata:
             block_table=table,
             seq_lens=torch.from_numpy(np.ascontiguousarray(seq_lens)).to(device),
             first_keys=torch.from_numpy(first_keys).to(device),
+        )
+
+    def _build_prefill_batch(self, rows: np.ndarray, query_lens: np.ndarray) -> PrefillBatch | None:
+        if not rows.size:
+            return None
+        device = self.block_table.device
+        return PrefillBatch(
+            token_starts=torch.from_numpy(self.query_start_loc_cpu[rows].astype(np.int32)).to(
+                device
+            ),
+            query_lens=torch.from_numpy(query_lens[rows].astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(self.seq_lens_cpu[rows].astype(np.int32)).to(device),
+            block_table=self.block_table[torch.from_numpy(rows).to(device)],
         )
 
     def _build_decode_buckets(self, rows: np.ndarray) -> list[DecodeBucket]:

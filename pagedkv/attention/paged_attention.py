@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.cpu_decode_attention import PagedDecode
+from pagedkv.attention.cpu_paged_attention import CpuAttentionKernels
 from pagedkv.attention.metadata import AttentionMetadata
 
 
@@ -66,17 +66,18 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     buffer: GatherBuffer | None = None,
-    decode_kernel: PagedDecode | None = None,
+    kernels: CpuAttentionKernels | None = None,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention of a mixed varlen batch over the paged cache.
 
     query: ``[num_tokens, num_heads, head_size]`` with ``num_heads`` a multiple of the cache's
     ``num_kv_heads`` (query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``).
-    Keys and values are read only through the block table. With ``decode_kernel`` (the compiled
-    CPU kernel) all decodes go through one call that reads the cache in place; without it each
-    bucket of decodes goes through one padded SDPA call over a gathered copy. Each prefill chunk
-    goes through its own SDPA call. Inputs are 4-D so that CPU SDPA
-    picks its flash kernel (3-D inputs fall back to the much slower math path).
+    Keys and values are read only through the block table. With ``kernels`` (the compiled CPU
+    kernels) all decodes go through one call and all prefill chunks through another, both
+    reading the cache in place; the prefill kernel declines shapes it has no code for. Without
+    them each bucket of decodes goes through one padded SDPA call over a gathered copy, and
+    each prefill chunk through its own SDPA call. Inputs are 4-D so that CPU SDPA picks its
+    flash kernel (3-D inputs fall back to the much slower math path).
 
     A decode reads whole blocks: the slots past ``seq_len`` in its last block are read and
     masked out, so they must hold finite values (allocate the cache with ``torch.zeros``; every
@@ -84,11 +85,12 @@ def paged_attention(
     """
     buffer = buffer if buffer is not None else GatherBuffer()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    decodes = metadata.decode_batch
-    if decode_kernel is not None and decodes is not None:
-        decode_kernel(
+    query = query.contiguous() if kernels is not None else query
+    decodes, prefills = metadata.decode_batch, metadata.prefill_batch
+    if kernels is not None and decodes is not None:
+        kernels.decode(
             out,
-            query.contiguous(),
+            query,
             kv_cache,
             decodes.token_indices,
             decodes.block_table,
@@ -96,7 +98,22 @@ def paged_attention(
             decodes.first_keys,
             scale,
         )
-    for bucket in metadata.decode_buckets if decode_kernel is None else ():
+    prefilled = (
+        kernels is not None
+        and prefills is not None
+        and kernels.prefill(
+            out,
+            query,
+            kv_cache,
+            prefills.token_starts,
+            prefills.query_lens,
+            prefills.seq_lens,
+            prefills.block_table,
+            scale,
+            metadata.sliding_window,
+        )
+    )
+    for bucket in metadata.decode_buckets if kernels is None else ():
         num_rows = bucket.token_indices.numel()
         kv = buffer.gather(kv_cache, bucket.block_ids)
         kv = kv.view(2, num_rows, -1, *kv.shape[-2:]).transpose(2, 3)
@@ -109,7 +126,7 @@ def paged_attention(
             enable_gqa=True,
         )
         out[bucket.token_indices] = bucket_out.squeeze(2)
-    for chunk in metadata.prefill_chunks:
+    for chunk in metadata.prefill_chunks if not prefilled else ():
         kv = buffer.gather(kv_cache, chunk.block_ids)
         kv = kv[:, chunk.key_offset : chunk.key_offset + chunk.num_keys].transpose(1, 2)
         chunk_out = F.scaled_dot_product_attention(

@@ -16,37 +16,11 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+
+#include "cpu_dtypes.h"
 
 namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(_Float16 x) { return static_cast<float>(x); }
-struct bf16 {
-  uint16_t bits;
-};
-inline float to_float(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-template <typename T>
-T from_float(float x);
-template <>
-float from_float<float>(float x) { return x; }
-template <>
-_Float16 from_float<_Float16>(float x) { return static_cast<_Float16>(x); }
-template <>
-bf16 from_float<bf16>(float x) {  // round to nearest even, as torch does for finite values
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  u += 0x7fff + ((u >> 16) & 1);
-  return bf16{static_cast<uint16_t>(u >> 16)};
-}
+using namespace pagedkv;
 
 struct Shape {
   int64_t num_rows, num_heads, head_size, num_blocks, block_size, num_kv_heads, table_stride;
@@ -196,16 +170,6 @@ struct SpreadPrefetch {
     }
   }
 };
-
-// 16 values from T to fp32: bf16 and fp16 widen exactly.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const _Float16* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const bf16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
 
 template <typename T, int kVecs>
 void decode_avx512(T* out, const T* query, const T* kv_cache, const int64_t* tokens,

@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from pagedkv.attention import (
     paged_attention,
     reshape_and_cache,
 )
-from pagedkv.attention.cpu_decode_attention import load_paged_decode
+from pagedkv.attention.cpu_paged_attention import load_cpu_attention
 
 NULL_BLOCK = 0
 
@@ -122,9 +123,10 @@ def run_case(
     return metadata
 
 
-def test_decode_kernel_builds_here() -> None:
-    """The machine has a C++ compiler (as inductor needs): the kernel must build, not fall back."""
-    assert load_paged_decode() is not None
+def test_the_kernels_build_here() -> None:
+    """The machine has a C++ compiler (as inductor needs): the kernels must build, not fall
+    back."""
+    assert load_cpu_attention() is not None
 
 
 def test_a_missing_compiler_falls_back_with_a_warning(tmp_path, caplog) -> None:
@@ -134,8 +136,8 @@ def test_a_missing_compiler_falls_back_with_a_warning(tmp_path, caplog) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "/nonexistent/c++"}
     code = (
         "import logging; logging.basicConfig()\n"
-        "from pagedkv.attention.cpu_decode_attention import load_paged_decode\n"
-        "print(load_paged_decode() is None)"
+        "from pagedkv.attention.cpu_paged_attention import load_cpu_attention\n"
+        "print(load_cpu_attention() is None)"
     )
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.stdout.strip() == "True", run.stderr
@@ -148,8 +150,9 @@ def test_a_missing_compiler_falls_back_with_a_warning(tmp_path, caplog) -> None:
 
 def test_the_kernel_refuses_mismatched_inputs() -> None:
     """The C side trusts shapes and dtypes: the wrapper checks them before a pointer crosses."""
-    kernel = load_paged_decode()
-    assert kernel is not None
+    kernels = load_cpu_attention()
+    assert kernels is not None
+    kernel = kernels.decode
     kv_cache = torch.zeros(2, 4, 16, 2, 8)
     query, out = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
     index = torch.zeros(1, dtype=torch.int64)
@@ -193,9 +196,9 @@ def test_decode_kernel_16_bit_cache(dtype: torch.dtype, head_size: int, num_deco
         block_size,
     )
     query = torch.randn(num_decodes, num_heads, head_size, generator=gen).to(dtype)
-    kernel = load_paged_decode()
-    assert kernel is not None
-    out = paged_attention(query, kv_cache, metadata, 0.2, decode_kernel=kernel)
+    kernels = load_cpu_attention()
+    assert kernels is not None
+    out = paged_attention(query, kv_cache, metadata, 0.2, kernels=kernels)
     expected = paged_attention(query.float(), kv_cache.float(), metadata, 0.2)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -244,6 +247,78 @@ def test_decode_kernel_every_work_split(
     rng = np.random.default_rng(head_size + num_decodes)
     requests = [(int(c), 1) for c in rng.integers(1, 300, size=num_decodes)]
     run_case(requests, *heads, head_size, block_size, window, seed=head_size)
+
+
+PREFILLS = [(0, 300), (37, 45), (0, 2), (130, 17), (5, 1), (0, 16), (16, 33)]
+
+
+@pytest.mark.parametrize("head_size", [16, 32, 64, 128])
+@pytest.mark.parametrize(("heads", "block_size", "window"), [
+    ((8, 8), 16, None), ((8, 2), 32, 50), ((6, 2), 8, None), ((32, 1), 16, 20), ((40, 1), 16, None),
+    ((8, 2), 1, None), ((8, 4), 128, 70), ((4, 1), 16, 1),
+])  # fmt: skip
+def test_prefill_kernel_every_work_split(
+    head_size: int, heads: tuple[int, int], block_size: int, window: int | None
+) -> None:
+    """The prefill kernel (fp32 head sizes 32, 64 and 128 on AVX-512; SDPA for the others and
+    for 40 query heads per KV head): a 300-token prompt split into several work items, chunks
+    after a prefix-cache hit, chunks of 2 tokens and of exactly one key group, a decode beside
+    them; blocks of 1 to 128 keys; windows that cut a block, a key group, or all but one key."""
+    run_case(PREFILLS, *heads, head_size, block_size, window, seed=head_size)
+
+
+def test_prefill_kernel_takes_the_shapes_it_has_code_for() -> None:
+    """It writes nothing and says False where it has no code (then SDPA runs): head sizes other
+    than 32, 64 and 128, more than 32 query heads per KV head, a CPU without AVX-512."""
+    kernels = load_cpu_attention()
+    assert kernels is not None
+    has_avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    ints = torch.tensor([0], dtype=torch.int32)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    for head_size, num_heads, expected in [(32, 8, True), (128, 32, True), (16, 8, False),
+                                           (64, 33, False)]:  # fmt: skip
+        kv_cache = torch.ones(2, 2, 16, 1, head_size)
+        query = torch.ones(4, num_heads, head_size)
+        out = torch.zeros_like(query)
+        lens = torch.tensor([4], dtype=torch.int32)
+        handled = kernels.prefill(out, query, kv_cache, ints, lens, lens, table, 1.0, None)
+        assert handled == (expected and has_avx512)
+        assert out.eq(1 if handled else 0).all()
+    with pytest.raises(ValueError, match="sliding_window"):
+        kernels.prefill(out, query, kv_cache, ints, lens, lens, table, 1.0, 0)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.prefill(out, query, kv_cache, ints.long(), lens, lens, table, 1.0, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_kernel_16_bit_cache(dtype: torch.dtype) -> None:
+    """bf16 / fp16: widened as loaded, accumulated in fp32, like the fp32 path on the same
+    values."""
+    gen = torch.Generator().manual_seed(4)
+    block_size, num_kv_heads, num_heads, head_size = 16, 2, 4, 64
+    requests = [(0, 90), (20, 30), (0, 1)]
+    seq_lens = np.array([c + n for c, n in requests], dtype=np.int32)
+    num_blocks = 1 + sum(math.ceil(n / block_size) for n in seq_lens)
+    block_table = np.zeros((len(requests), math.ceil(seq_lens.max() / block_size)), np.int32)
+    next_block = 1
+    for row, n in enumerate(seq_lens):
+        for b in range(math.ceil(n / block_size)):
+            block_table[row, b], next_block = next_block, next_block + 1
+    query_lens = [n for _, n in requests]
+    metadata = AttentionMetadata.from_numpy(
+        np.concatenate([[0], np.cumsum(query_lens)]),
+        seq_lens,
+        block_table,
+        np.zeros(sum(query_lens), dtype=np.int64),
+        block_size,
+    )
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache = kv_cache.to(dtype)
+    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
+    out = paged_attention(query, kv_cache, metadata, 0.2, kernels=load_cpu_attention())
+    expected = paged_attention(query.float(), kv_cache.float(), metadata, 0.2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.attention.backends.base import AttentionBackend
-from pagedkv.attention.cpu_decode_attention import PagedDecode, load_paged_decode
+from pagedkv.attention.cpu_paged_attention import CpuAttentionKernels, load_cpu_attention
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.attention.paged_attention import GatherBuffer, paged_attention, reshape_and_cache
 
@@ -16,12 +16,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._buffer = GatherBuffer()
-        self._decode_kernel: PagedDecode | None = None
+        self._kernels: CpuAttentionKernels | None = None
 
     def load_kernels(self, device: torch.device) -> None:
-        """On CPU, the compiled decode kernel (the gather + SDPA path when it cannot be built)."""
+        """On CPU, the compiled decode and prefill kernels (the gather + SDPA path when they
+        cannot be built)."""
         if device.type == "cpu":
-            self._decode_kernel = load_paged_decode()
+            self._kernels = load_cpu_attention()
 
     def check_device(self, device: torch.device) -> None:
         """Any device torch runs on."""
@@ -33,5 +34,5 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        kernel = self._decode_kernel if kv_cache.device.type == "cpu" else None
-        return paged_attention(query, kv_cache, metadata, scale, self._buffer, kernel)
+        kernels = self._kernels if kv_cache.is_cpu else None
+        return paged_attention(query, kv_cache, metadata, scale, self._buffer, kernels)
