@@ -223,15 +223,15 @@ def test_a_full_get_pool_nacks_and_each_policy_applies(
     assert "send pool full" in p.log()
 
 
-def test_a_transfer_id_used_twice_at_once_strands_no_block(
-    start_engine, shared, reference_outputs
-) -> None:
+def test_a_transfer_id_used_twice_at_once_strands_no_block(start_engine, reference_outputs) -> None:
     """Two live requests with one transfer id (a client talking to P or D directly can send
-    that): once, both shared P's transfer record and the blocks of one were held forever.
+    that): once, both P's transfer record and the blocks of one were held forever.
     Now the second is refused (P: its KV is not sent; D: its load fails by policy) and the
     first is served. D here has the default load deadline (30 s): the shared D's 3 s, counted
-    from D's admission, passed twice in full-suite runs before the shared P held its source."""
-    p = shared.p
+    from D's admission, passed twice in full-suite runs before the shared P held its source.
+    P here holds the first for a 5 s lease: with the shared P's 1 s, a loaded machine once let
+    the lease end before the second request reached P's scheduler, and nothing conflicted."""
+    p = start_engine("P-dup", kv_transfer_config=p2p_config("kv_producer", "P-dup", lease_s=5.0))
     config = p2p_config("kv_consumer", "D-dup", kv_load_failure_policy="fail")
     d = start_engine("D-dup", kv_transfer_config=config)
     prompt = random_prompt(40, seed=14)
@@ -240,7 +240,7 @@ def test_a_transfer_id_used_twice_at_once_strands_no_block(
     for rid in ("dup-p1", "dup-p2"):
         p.add(rid, prompt, {"do_remote_decode": True, "transfer_id": tid}, max_tokens=1)
     p.wait(["dup-p1", "dup-p2"])
-    p.wait_settled(timeout_s=10)
+    p.wait_settled(timeout_s=15)
     assert "is already in use by request dup-p1" in p.log()
     # D: the first load gets P's KV, the second fails at once by D's policy.
     tid = uuid.uuid4().hex
