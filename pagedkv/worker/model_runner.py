@@ -32,6 +32,7 @@ from pagedkv.model.sampler import (
 )
 from pagedkv.structured_output.manager import GrammarBitmask
 from pagedkv.utils import cdiv
+from pagedkv.worker.host_memory import keep_freed_host_memory
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.model_runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -85,6 +86,8 @@ class ModelRunner:
                 f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
             )
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         model_path = args.model_path
         checkpoint = ModelConfig.from_pretrained(model_path)
         self.max_model_len = resolve_max_model_len(
