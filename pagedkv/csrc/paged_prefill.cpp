@@ -2,13 +2,13 @@
 // or a piece of one after a prefix-cache hit) over keys and values read in place through the
 // block table. Plain C ABI (ctypes), like paged_decode.cpp.
 //
-// A work item is (chunk, KV head, tile of query tokens): its rows are the tile's tokens times
-// the G = num_heads / num_kv_heads query heads that share the KV head. Keys go by in groups of
-// 16: each group's K rows are transposed once into a [head_size][16] tile, so a row's 16 scores
-// are head_size broadcast FMAs (no horizontal sums), and that tile and the group's V rows serve
-// every row of the item from L1. Online softmax per row, as flash attention; fp16 and bf16 are
-// widened to fp32 as they are loaded; everything accumulates in fp32. Head size 32, 64 or 128
-// where the CPU has AVX-512; elsewhere the caller runs SDPA.
+// A work item is a run of consecutive tiles of one (chunk, KV head); a tile's rows are its query
+// tokens times the G = num_heads / num_kv_heads query heads that share the KV head. An item
+// transposes its keys once, in groups of 16 ([head_size][16] each), so that a row's 16 scores
+// are head_size broadcast FMAs (no horizontal sums); a group and its V rows then serve every
+// row of a tile from L1. Online softmax per row, as flash attention; fp16 and bf16 are widened
+// to fp32 as they are loaded; everything accumulates in fp32. Head size 32, 64 or 128 where the
+// CPU has AVX-512; elsewhere the caller runs SDPA.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -69,7 +69,8 @@ std::vector<WorkItem> work_items(const int32_t* query_lens, const int32_t* seq_l
                          s.sliding_window);
       t = std::min<int64_t>(t + tile, query_lens[c]);
       if (cost >= target || t == query_lens[c]) {
-        for (int64_t h = 0; h < s.num_kv_heads; ++h) items.push_back({c, h, start, t - start, cost});
+        for (int64_t h = 0; h < s.num_kv_heads; ++h)
+          items.push_back({c, h, start, t - start, cost});
         start = t, cost = 0;
       }
     }
@@ -80,8 +81,9 @@ std::vector<WorkItem> work_items(const int32_t* query_lens, const int32_t* seq_l
 }
 
 // exp of 16 lanes, without a call (a libmvec call spills every vector register): x = k ln2 + r
-// with |r| <= ln2 / 2, exp(r) by its Taylor polynomial of degree 7 (relative error below
-// 1e-8), times 2^k by vscalefps. Inputs are clamped to [-87, 88], where the result is normal.
+// with |r| <= ln2 / 2, exp(r) by its Taylor polynomial of degree 7 (truncation below 1e-8;
+// fp32 rounding adds about an ulp), times 2^k by vscalefps. Inputs are clamped to [-87, 88],
+// where the result is a normal float.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
@@ -120,8 +122,9 @@ inline __m512 reduce_lanes(const __m512 d[8]) {
 }
 
 // One group of keys (k_tile: their K rows transposed; v_rows, from j_from: no row sees a key
-// before it) for kRowBlock query rows (q, scaled): the rows' scores, then the online-softmax update of their running max, sum and
-// accumulators. Lanes outside visible[i] count for nothing (a row with none is unchanged).
+// before it) for kRowBlock query rows (q, scaled): the rows' scores, then the online-softmax
+// update of their running max, sum and accumulators. Lanes outside visible[i] count for
+// nothing (a row with none is unchanged).
 // Independent rows side by side keep several FMA chains in flight: one row alone waits on the
 // latency of one chain (4 cycles per FMA).
 template <typename T, int kVecs>
@@ -139,7 +142,7 @@ inline void update_rows(const float (*q)[16 * kVecs], const float (*k_tile)[kKey
       odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][d + 1]), k1, odd[i]);
     }
   }
-  // lane i of max_scores / sums: row i's maximum / sum (rows beyond kRowBlock: none)
+  // lane i of new_max, alpha and the sums: row i's (lanes from kRowBlock on: unused)
   __m512 masked[kRowBlock], p[kRowBlock];
   for (int64_t i = 0; i < kRowBlock; ++i)
     masked[i] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible[i],
@@ -177,7 +180,6 @@ inline void update_rows(const float (*q)[16 * kVecs], const float (*k_tile)[kKey
   }
 }
 
-// Where a work item's operands are: the cache's two halves and the chunk's table row.
 // A work item's operands. Its keys are transposed once per item, in groups of kKeys aligned on
 // positions: group g (keys 16 g .. 16 g + 15) is k_groups[g - first_group], [head_size][16],
 // zero past the item's last key; v_rows[t] is the V row of key 16 * first_group + t.
@@ -201,9 +203,9 @@ void attend_tile(const TileContext<T>& c, int64_t token0, int64_t p_first, int64
   __m512 acc[kMaxRows][kVecs];
   alignas(64) float running_max[kMaxRows], running_sum[kMaxRows];
   const __m512 scale_v = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < kMaxRows; ++r) {
-    const T* q_row =
-        c.query + ((token0 + r / c.group) * c.num_heads + c.kv_head * c.group + r % c.group) * kDim;
+  for (int64_t r = 0; r < kMaxRows; ++r) {  // rows past num_rows: zero, never written out
+    const int64_t head = c.kv_head * c.group + r % c.group;
+    const T* q_row = c.query + ((token0 + r / c.group) * c.num_heads + head) * kDim;
     for (int v = 0; v < kVecs; ++v) {
       const __m512 x = r < num_rows ? load16(q_row + 16 * v) : _mm512_setzero_ps();
       _mm512_store_ps(q[r] + 16 * v, _mm512_mul_ps(x, scale_v));
@@ -245,7 +247,8 @@ void attend_tile(const TileContext<T>& c, int64_t token0, int64_t p_first, int64
     }
   }
   for (int64_t r = 0; r < num_rows; ++r) {
-    T* o = c.out + ((token0 + r / c.group) * c.num_heads + c.kv_head * c.group + r % c.group) * kDim;
+    const int64_t head = c.kv_head * c.group + r % c.group;
+    T* o = c.out + ((token0 + r / c.group) * c.num_heads + head) * kDim;
     const __m512 inv = _mm512_set1_ps(1.f / running_sum[r]);
     alignas(64) float values[16];
     for (int v = 0; v < kVecs; ++v) {
@@ -278,13 +281,13 @@ void prefill_avx512(T* out, const T* query, const T* kv_cache, const int32_t* to
       const int64_t first_pos = seq_lens[item.chunk] - query_lens[item.chunk];
       const int64_t end = item.first_token + item.num_tokens;
       const int64_t last_key = first_pos + end - 1;
-      const int64_t first_group = first_key(first_pos + item.first_token, s.sliding_window) / kKeys;
+      // keys before the item's first visible one stay zero, their V rows unset: never read
+      const int64_t item_first_key = first_key(first_pos + item.first_token, s.sliding_window);
+      const int64_t first_group = item_first_key / kKeys;
       const int64_t num_keys = (last_key / kKeys + 1 - first_group) * kKeys;
       k_groups.assign(num_keys * kDim, 0.f);
       v_rows.resize(num_keys);
       const int64_t head_offset = item.kv_head * kDim;
-      // keys before the item's first visible one stay zero, their V rows unset: never read
-      const int64_t item_first_key = first_key(first_pos + item.first_token, s.sliding_window);
       for (int64_t key = item_first_key; key <= last_key; ++key) {
         const int64_t t = key - first_group * kKeys;
         const int64_t slot = row_table[key / s.block_size] * s.block_size + key % s.block_size;
