@@ -61,10 +61,14 @@ def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float
     return total
 
 
-def gemm_floor(run: Callable[[], object], dtype: torch.dtype) -> tuple[float, Counter]:
-    """Profile one ``run`` for its GEMM shapes, replay them: ``(floor seconds, shapes)``."""
+def gemm_floor(
+    run: Callable[[], object], dtype: torch.dtype, replays: int = 3
+) -> tuple[list[float], Counter]:
+    """Profile one ``run`` for its GEMM shapes, replay them ``replays`` times: ``(seconds of
+    each replay, shapes)``. On a shared machine one replay varies by up to a third; quote the
+    median, as for the wall time it is set against."""
     shapes = _gemm_shapes(_profile(run))
-    return replay_gemms(shapes, dtype), shapes
+    return [replay_gemms(shapes, dtype) for _ in range(replays)], shapes
 
 
 class _Timed:

@@ -11,10 +11,10 @@ anchor's method); medians reported.
 
 Also: ``breakdown``, ms per decode step with all 64 requests decoding (GEMM / attention / other,
 with the compiled CPU kernels and with ``--enforce-eager``'s torch ops) and the GEMM-only
-floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed,
-``step_breakdown.py``) against our wall time; ``llamacpp``, llama.cpp through the llamacpp
-anchor's harness on a GGUF conversion of the same weights (``--llamacpp-gguf``; skipped when
-llama-cpp-python is not installed or no GGUF is given).
+floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed
+3 times, the median quoted; ``step_breakdown.py``) against our wall time; ``llamacpp``,
+llama.cpp through the llamacpp anchor's harness on a GGUF conversion of the same weights
+(``--llamacpp-gguf``; skipped when llama-cpp-python is not installed or no GGUF is given).
 
     python benchmarks/throughput.py --anchor-dir ../hf_peer             # ~6 min on a quiet box
     python benchmarks/throughput.py --anchor-dir ../hf_peer --modes ours,static --runs 1
@@ -199,9 +199,14 @@ def main() -> None:
         summarize("pagedkv", times)
     if "floor" in modes:
         llm.llm_engine.reset_prefix_cache()
-        floor, shapes = gemm_floor(lambda: llm.generate(prompts, greedy, use_tqdm=False), dtype)
-        results["gemm_floor"] = dict(seconds=floor, num_gemms=sum(shapes.values()))
-        print(f"GEMM-only floor of one run: {floor:.2f} s ({sum(shapes.values())} GEMMs)")
+        replays, shapes = gemm_floor(lambda: llm.generate(prompts, greedy, use_tqdm=False), dtype)
+        floor = statistics.median(replays)
+        num_gemms = sum(shapes.values())
+        results["gemm_floor"] = dict(seconds=floor, replays_s=replays, num_gemms=num_gemms)
+        print(
+            f"GEMM-only floor of one run: {floor:.2f} s, median of {len(replays)} replays "
+            f"({', '.join(f'{r:.2f}' for r in replays)}; {num_gemms} GEMMs)"
+        )
     if "breakdown" in modes:
         eager = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=True)
         for name, engine in (("compiled", llm), ("enforce_eager", eager)):
