@@ -88,8 +88,8 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         handle = ctypes.CDLL(str(library))
     except (OSError, subprocess.TimeoutExpired) as e:
         logger.warning(
-            "the CPU kernels could not be built or loaded (%s); torch ops run instead (decode "
-            "attention gathers blocks and runs SDPA)",
+            "the CPU kernels could not be built or loaded (%s); torch ops run instead "
+            "(attention gathers blocks and runs SDPA)",
             (str(e).splitlines() or [type(e).__name__])[0],
         )
     _loaded[library] = handle

@@ -187,8 +187,8 @@ class EngineArgs:
         g.add_argument(
             "--enforce-eager",
             action="store_true",
-            help="no kernels compiled at startup (CPU: decode attention gathers blocks and "
-            "runs SDPA instead of the compiled paged decode kernel; norms, activations, "
+            help="no kernels compiled at startup (CPU: attention gathers blocks and runs SDPA "
+            "instead of the compiled paged decode and prefill kernels; norms, activations, "
             "RoPE and the greedy argmax run as torch ops)",
         )
         g.add_argument(
