@@ -16,6 +16,7 @@ from pagedkv.kv_transfer.p2p.lease import LeaseTable
 from pagedkv.kv_transfer.p2p.pair_group import PairGroups
 from pagedkv.kv_transfer.p2p.protocol import (
     PROTOCOL_VERSION,
+    Cancel,
     Codec,
     Envelope,
     Heartbeat,
@@ -250,6 +251,38 @@ def test_a_forgotten_peer_still_gets_what_was_queued_and_costs_no_new_socket() -
         plane.close()
     finally:
         sender.close()
+
+
+def test_a_cancel_queued_behind_its_want_is_handled_first() -> None:
+    """P was SIGSTOPped: D's WANT, then D's CANCEL (D gave up) queued on P's listener. Read
+    together on resume, the CANCELs of the batch are handled first, in their order, then the
+    rest in theirs: P ends the transfer by D's word instead of starting a send to a D that
+    has torn its side down (the flaky `test_a_cancel_reaches_a_p_that_was_only_hung`: P's
+    send failed with "Connection refused" and the CANCEL found nothing to cancel)."""
+    handled: list[msgspec.Struct] = []
+    address = PeerAddr("hung", "127.0.0.1", free_port())
+    record = lambda _, m: handled.append(m)  # noqa: E731
+    plane = ControlPlane(
+        codec(), address, {Want: record, Cancel: record, Heartbeat: record}, first=(Cancel,)
+    )
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(address.endpoint)
+    queued = [WANT, Heartbeat(["t1"]), Cancel("t1", "P silent"), Want("t2", "g", 4, "h", [[0]],
+              [[1]]), Cancel("t2", "P silent")]  # fmt: skip
+    try:
+        for message in queued:
+            dealer.send_multipart(codec().encode(message, ME))
+        dealer.send_multipart([b"one frame"])  # a refused one in the batch changes nothing
+        time.sleep(0.5)  # all of it queued on the listener's socket, nobody reading
+        plane.start()
+        wait_until(lambda: len(handled) == len(queued))
+        assert handled == [queued[2], queued[4], queued[0], queued[1], queued[3]]
+        assert plane.rejected == {"malformed": 1}
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        plane.close()
 
 
 def wait_until(condition, timeout_s: float = 10) -> None:

@@ -16,6 +16,12 @@ Answers on the same connection. A handler may return a message, and ``on_rejecte
 refused one into a message: it goes back through the ROUTER to the connection the message came
 on (the sender's own DEALER reads it), never to the address an envelope claims. The proxy's
 registry uses this to acknowledge or refuse registrations; P2P peers answer through DEALERs.
+
+Messages that queued up while the listener was not running (a process SIGSTOPped, a long GC
+pause) are read together, at most ``_MAX_BATCH`` at a time, and the types named in ``first``
+are handled before the others of the same batch: P2P names CANCEL, so a transfer D gave up on
+while P was hung ends by D's word, and the WANT queued ahead of it is refused instead of
+starting a send to a D that has torn its side down.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pagedkv.kv_transfer.p2p.protocol import Codec, PeerAddr, ProtocolError
+from pagedkv.kv_transfer.p2p.protocol import Codec, Envelope, PeerAddr, ProtocolError
 from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ Handler = Callable[[PeerAddr, msgspec.Struct], msgspec.Struct | None]
 RejectionHandler = Callable[[ProtocolError], msgspec.Struct | None]
 
 _POLL_MS = 100
+#: Messages read from the ROUTER before any of them is handled (those already queued).
+_MAX_BATCH = 64
 #: ZMQ itself drops (and disconnects) frames past this multiple of the codec's limit; smaller
 #: oversized frames reach the codec, which rejects them with a log line.
 _TRANSPORT_LIMIT_FACTOR = 4
@@ -67,6 +75,7 @@ class ControlPlane:
         max_peers: int = MAX_PEERS,
         on_heard: Callable[[PeerAddr], None] | None = None,
         on_rejected: RejectionHandler | None = None,
+        first: tuple[type[msgspec.Struct], ...] = (),
     ) -> None:
         self.codec = codec
         self.address = address
@@ -75,6 +84,7 @@ class ControlPlane:
         self._handlers = handlers
         self._on_heard = on_heard
         self._on_rejected = on_rejected
+        self._first = first
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -196,59 +206,86 @@ class ControlPlane:
             try:
                 if not poller.poll(_POLL_MS):
                     continue
-                routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK)
-                answer = self._dispatch(frames)
-                if isinstance(answer, msgspec.Struct):
-                    self._answer(routing_id, answer)
-                elif answer is not None:
-                    raise TypeError(f"a handler returned {answer!r}: only a message is answered")
-            except zmq.Again:
-                continue
+                batch = self._read_batch()
+                # Stable: the ``first`` types in arrival order, then the rest in theirs.
+                batch.sort(key=lambda item: not isinstance(item[2], self._first))
+                for routing_id, envelope, message in batch:
+                    self._answer(routing_id, self._handle(envelope, message))
             except zmq.ContextTerminated:
                 return
             except Exception:  # the listener must outlive any bug or input
                 logger.exception("%s: listener error (continuing)", self.name)
 
-    def _answer(self, routing_id: bytes, message: msgspec.Struct) -> None:
-        """Listener thread: back to the connection a message came on (dropped if it can't go)."""
+    def _read_batch(self) -> list[tuple[bytes, Envelope, msgspec.Struct]]:
+        """Listener thread: the messages already queued (at least one, at most _MAX_BATCH),
+        decoded; a refused one is counted, logged and answered here."""
+        batch: list[tuple[bytes, Envelope, msgspec.Struct]] = []
+        while len(batch) < _MAX_BATCH:
+            try:
+                routing_id, *frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                envelope, message = self.codec.decode(frames)
+            except ProtocolError as e:
+                self._answer(routing_id, self._reject(e))
+                continue
+            batch.append((routing_id, envelope, message))
+        return batch
+
+    def _answer(self, routing_id: bytes, answer: object) -> None:
+        """Listener thread: a handler's message goes back to the connection its message came
+        on (dropped if it can't go); None means no answer."""
+        if answer is None:
+            return
+        if not isinstance(answer, msgspec.Struct):
+            logger.error("%s: a handler returned %r: only a message is answered", self.name, answer)
+            return
         try:
-            frames = self.codec.encode(message, self.address)
+            frames = self.codec.encode(answer, self.address)
             self._router.send_multipart([routing_id, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            logger.debug("%s: could not answer %s: %s", self.name, message, e)
+            logger.debug("%s: could not answer %s: %s", self.name, answer, e)
 
-    def _dispatch(self, frames: list[bytes]) -> msgspec.Struct | None:
-        """Decode and handle one message; returns the answer to send back, if any."""
-        try:
-            envelope, message = self.codec.decode(frames)
-        except ProtocolError as e:
-            self.rejected[e.reason] += 1
-            self._log.warning(
-                e.reason,
-                "%s: dropped a control message%s (%s) [%d so far]",
-                self.name,
-                f" from {e.claimed_sender} (claimed)" if e.claimed_sender else "",
-                e,
-                self.rejected[e.reason],
-            )
-            return self._on_rejected(e) if self._on_rejected is not None else None
-        if self._on_heard is not None:
-            self._on_heard(envelope.sender)
-        handler = self._handlers.get(type(message))
-        if handler is None:
-            self.rejected["unexpected"] += 1
-            self._log.warning(
-                "unexpected",
-                "%s: no handler for %s [%d so far]",
-                self.name,
-                envelope.kind,
-                self.rejected["unexpected"],
-            )
+    def _reject(self, e: ProtocolError) -> msgspec.Struct | None:
+        """A message that failed to decode: counted and logged; the answer to send back."""
+        self.rejected[e.reason] += 1
+        self._log.warning(
+            e.reason,
+            "%s: dropped a control message%s (%s) [%d so far]",
+            self.name,
+            f" from {e.claimed_sender} (claimed)" if e.claimed_sender else "",
+            e,
+            self.rejected[e.reason],
+        )
+        if self._on_rejected is None:
             return None
         try:
-            return handler(envelope.sender, message)
-        except Exception:
-            logger.exception("%s: handling %s from %s failed", self.name, message, envelope.sender)
+            return self._on_rejected(e)
+        except Exception:  # the rest of the batch is still handled
+            logger.exception("%s: handling a refused message failed", self.name)
+            return None
+
+    def _handle(self, envelope: Envelope, message: msgspec.Struct) -> msgspec.Struct | None:
+        """Handle one decoded message; returns the answer to send back, if any."""
+        sender = envelope.sender
+        try:
+            if self._on_heard is not None:
+                self._on_heard(sender)
+            handler = self._handlers.get(type(message))
+            if handler is None:
+                self.rejected["unexpected"] += 1
+                self._log.warning(
+                    "unexpected",
+                    "%s: no handler for %s [%d so far]",
+                    self.name,
+                    envelope.kind,
+                    self.rejected["unexpected"],
+                )
+                return None
+            return handler(sender, message)
+        except Exception:  # the rest of the batch is still handled
+            logger.exception("%s: handling %s from %s failed", self.name, message, sender)
             return None
 
     def close(self, linger_s: float = 0.0) -> None:

@@ -335,6 +335,11 @@ class OutboundTransfers:
         if rec is None or rec.job is not job:
             return
         rec.job = None
+        if job.error is not None and rec.peer_result is not None and not rec.peer_result[0]:
+            # D had ended it (a CANCEL, a failed load) or the pair group was gone: that is
+            # why the send broke, and D needs no NACK.
+            self._end(rec, FAILED, "peer", rec.peer_result[1])
+            return
         if job.error is not None:
             self._end(rec, FAILED, "send", f"send failed: {job.error}")
             assert rec.peer is not None

@@ -41,6 +41,7 @@ from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
 from pagedkv.kv_transfer.p2p.protocol import (
     Bye,
+    Cancel,
     Codec,
     Heartbeat,
     Hello,
@@ -110,7 +111,13 @@ class Peers:
             **handlers,
         }
         self.control = ControlPlane(
-            codec, me, routes, name, on_heard=self.on_heard, on_rejected=self.on_rejected
+            codec,
+            me,
+            routes,
+            name,
+            on_heard=self.on_heard,
+            on_rejected=self.on_rejected,
+            first=(Cancel,),
         )
         self.groups = PairGroups(
             me,
