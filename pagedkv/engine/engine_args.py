@@ -189,7 +189,7 @@ class EngineArgs:
             action="store_true",
             help="no kernels compiled at startup (CPU: attention gathers blocks and runs SDPA "
             "instead of the compiled paged decode and prefill kernels; norms, activations, "
-            "RoPE and the greedy argmax run as torch ops)",
+            "RoPE, one-row projections and the greedy argmax run as torch ops)",
         )
         g.add_argument(
             "--kv-transfer-config",

@@ -20,6 +20,8 @@ from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.cpu_argmax import load_cpu_argmax
+from pagedkv.model.cpu_gemv import attach as attach_gemv
+from pagedkv.model.cpu_gemv import load_cpu_gemv
 from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
@@ -109,6 +111,9 @@ class ModelRunner:
             ops = load_cpu_layer_ops()
             if ops is not None:
                 attach(self.model, ops)
+            gemv = load_cpu_gemv()
+            if gemv is not None:
+                attach_gemv(self.model, gemv)
         #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
         self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config
