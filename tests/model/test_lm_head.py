@@ -16,11 +16,24 @@ def _head(dtype: torch.dtype) -> LMHead:
     return head
 
 
+@pytest.mark.parametrize("batches_by_vocab", [False, True])
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 64])
-def test_every_batch_size_gets_the_products_of_the_loaded_weight(num_rows: int) -> None:
+def test_every_batch_size_gets_the_products_of_the_loaded_weight(
+    num_rows: int, batches_by_vocab: bool
+) -> None:
+    """Whichever layout ``prepare`` timed faster for batches."""
     head = _head(torch.float32)
+    head.batches_by_vocab = batches_by_vocab
     x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(head(x), x.double().mm(head.weight.double()).float())
+
+
+def test_prepare_times_the_layouts_without_touching_the_global_generator() -> None:
+    state = torch.random.get_rng_state()
+    head = _head(torch.float32)
+    assert isinstance(head.batches_by_vocab, bool)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert _head(torch.bfloat16).batches_by_vocab is False  # no copy, nothing to time
 
 
 def test_the_vocab_major_copy_is_made_only_for_fp32_on_cpu() -> None:
