@@ -12,33 +12,50 @@ matrix products.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-GEMM_OPS = ("aten::mm", "aten::addmm")
 
 
-def _profile(fn: Callable[[], object]) -> profile:
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    return prof
+class _Timed:
+    """Wraps a callable, adding up its wall time."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        self.seconds += time.perf_counter() - start
+        return out
 
 
-def _gemm_shapes(prof: profile) -> Counter:
-    """(rows, inner, cols) of every top-level GEMM the profiled code ran, with counts."""
+@contextlib.contextmanager
+def recording_gemms() -> Iterator[tuple[Counter, _Timed]]:
+    """While open, every ``Linear`` and ``LMHead`` product (MKL's or the compiled one-row GEMV)
+    is timed and its ``(rows, inner, cols)`` counted: ``(shapes, timer)``."""
+    from pagedkv.model.linear import Linear
+    from pagedkv.model.lm_head import LMHead
+
     shapes: Counter = Counter()
-    for event in prof.events():
-        if event.name not in GEMM_OPS:
-            continue
-        dims = [d for d in event.input_shapes if len(d) == 2]
-        (m, k), (_, n) = dims[-2], dims[-1]  # addmm's bias comes first
-        shapes[(m, k, n)] += 1
-    return shapes
+    forwards = {cls: cls.forward for cls in (Linear, LMHead)}
+
+    def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
+        shapes[(x.shape[0], *module.weight.shape)] += 1
+        return forwards[type(module)](module, x)
+
+    timer = _Timed(gemm)
+    for cls in forwards:
+        cls.forward = lambda module, x: timer(module, x)
+    try:
+        yield shapes, timer
+    finally:
+        for cls, forward in forwards.items():
+            cls.forward = forward
 
 
 def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float:
@@ -64,24 +81,12 @@ def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float
 def gemm_floor(
     run: Callable[[], object], dtype: torch.dtype, replays: int = 3
 ) -> tuple[list[float], Counter]:
-    """Profile one ``run`` for its GEMM shapes, replay them ``replays`` times: ``(seconds of
-    each replay, shapes)``. On a shared machine one replay varies by up to a third; quote the
+    """Record one ``run``'s GEMM shapes, replay them ``replays`` times: ``(seconds of each
+    replay, shapes)``. On a shared machine one replay varies by up to a third; quote the
     median, as for the wall time it is set against."""
-    shapes = _gemm_shapes(_profile(run))
+    with recording_gemms() as (shapes, _):
+        run()
     return [replay_gemms(shapes, dtype) for _ in range(replays)], shapes
-
-
-class _Timed:
-    """Wraps a callable, adding up its wall time."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn, self.seconds = fn, 0.0
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.fn(*args, **kwargs)
-        self.seconds += time.perf_counter() - start
-        return out
 
 
 def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12) -> dict:
@@ -90,9 +95,6 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
     attention backend's ``forward`` and in the rest; the GEMM-only floor of their shapes.
     Plain timers around the two calls, not the profiler, whose per-op cost would land on the
     many small ops of attention and "other"."""
-    from pagedkv.model.linear import Linear
-    from pagedkv.model.lm_head import LMHead
-
     engine = llm.llm_engine
     engine.reset_prefix_cache()
     ids = [engine.add_request(None, p, params) for p in prompts]
@@ -103,26 +105,15 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
                 decoding.add(out.request_id)
     backend = engine.model_runner.attn_backend
     attention = _Timed(backend.forward)
-    shapes: Counter = Counter()
-    forwards = {cls: cls.forward for cls in (Linear, LMHead)}
-
-    def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
-        shapes[(x.shape[0], *module.weight.shape)] += 1
-        return forwards[type(module)](module, x)
-
-    timed_gemm = _Timed(gemm)
     backend.forward = attention
-    for cls in forwards:
-        cls.forward = lambda module, x: timed_gemm(module, x)
     step_times = []
     try:
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            engine.step()
-            step_times.append(time.perf_counter() - start)
+        with recording_gemms() as (shapes, timed_gemm):
+            for _ in range(num_steps):
+                start = time.perf_counter()
+                engine.step()
+                step_times.append(time.perf_counter() - start)
     finally:
-        for cls, forward in forwards.items():
-            cls.forward = forward
         del backend.forward  # back to the class's method
     engine.abort_request(ids)
     mean_step = sum(step_times) / num_steps * 1e3
