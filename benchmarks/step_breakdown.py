@@ -5,9 +5,9 @@ time, the time in GEMMs (every ``Linear``) and in the attention backend's ``forw
 is the rest (norms, RoPE, activations, residual adds, KV writes, sampling, scheduling, output
 processing).
 
-``gemm_floor``: the same GEMM shapes a run executed, replayed back to back on random inputs,
-each against the faster weight layout: the time that run would take if it did nothing but its
-matrix products.
+``record_gemm_shapes`` and ``replay_gemms``: the GEMM shapes a run executed, replayed back to
+back on random inputs, each against the faster weight layout: the time that run would take if it
+did nothing but its matrix products (its GEMM-only floor).
 """
 
 from __future__ import annotations
@@ -78,15 +78,12 @@ def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float
     return total
 
 
-def gemm_floor(
-    run: Callable[[], object], dtype: torch.dtype, replays: int = 3
-) -> tuple[list[float], Counter]:
-    """Record one ``run``'s GEMM shapes, replay them ``replays`` times: ``(seconds of each
-    replay, shapes)``. On a shared machine one replay varies by up to a third; quote the
-    median, as for the wall time it is set against."""
+def record_gemm_shapes(run: Callable[[], object]) -> Counter:
+    """The ``(rows, inner, cols)`` of every GEMM one ``run`` executes, with counts: what
+    ``replay_gemms`` turns into the run's GEMM-only floor."""
     with recording_gemms() as (shapes, _):
         run()
-    return [replay_gemms(shapes, dtype) for _ in range(replays)], shapes
+    return shapes
 
 
 def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12) -> dict:

@@ -12,7 +12,8 @@ anchor's method); medians reported.
 Also: ``breakdown``, ms per decode step with all 64 requests decoding (GEMM / attention / other,
 with the compiled CPU kernels and with ``--enforce-eager``'s torch ops) and the GEMM-only
 floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed
-3 times, the median quoted; ``step_breakdown.py``) against our wall time; ``llamacpp``,
+right after each of our timed runs, so that each pair meets the same machine: the median of the
+pairs' ratios is quoted; ``step_breakdown.py``) against our wall time; ``llamacpp``,
 llama.cpp through the llamacpp anchor's harness on a GGUF conversion of the same weights
 (``--llamacpp-gguf``; skipped when llama-cpp-python is not installed or no GGUF is given).
 
@@ -34,7 +35,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from step_breakdown import decode_breakdown, gemm_floor  # noqa: E402
+from step_breakdown import decode_breakdown, record_gemm_shapes, replay_gemms  # noqa: E402
 
 DEFAULT_ANCHOR = os.path.join(HERE, "..", "..", "shared", "anchors", "hf_peer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -183,6 +184,11 @@ def main() -> None:
         llm = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager)
         results["startup_s"] = time.perf_counter() - start
         print(f"pagedkv engine ready in {results['startup_s']:.1f} s", flush=True)
+    shapes = None
+    if "floor" in modes:  # from one untimed run: recording costs a little per GEMM
+        llm.llm_engine.reset_prefix_cache()
+        shapes = record_gemm_shapes(lambda: llm.generate(prompts, greedy, use_tqdm=False))
+    replays: list[float] = []
     if "ours" in modes:
         # Warm-up over the measured shapes: the whole workload, a few tokens each.
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -195,11 +201,12 @@ def main() -> None:
                 setup=lambda attempt: llm.llm_engine.reset_prefix_cache(),
             )
             times.append(cpu["wall_s"])
+            if shapes is not None:  # the floor, replayed in the same phase of the machine
+                replays.append(replay_gemms(shapes, dtype))
         outputs["ours"] = [o.outputs[0].token_ids for o in outs]
         summarize("pagedkv", times)
-    if "floor" in modes:
-        llm.llm_engine.reset_prefix_cache()
-        replays, shapes = gemm_floor(lambda: llm.generate(prompts, greedy, use_tqdm=False), dtype)
+    if shapes is not None:
+        replays = replays or [replay_gemms(shapes, dtype) for _ in range(args.runs)]
         floor = statistics.median(replays)
         num_gemms = sum(shapes.values())
         results["gemm_floor"] = dict(seconds=floor, replays_s=replays, num_gemms=num_gemms)
@@ -292,9 +299,16 @@ def main() -> None:
                     f"{peer} {results[peer]['out_tok_per_s']:8.0f}   ratio {ratio:.2f}x"
                 )
     if "pagedkv" in results and "gemm_floor" in results:
-        ratio = results["pagedkv"]["median_s"] / results["gemm_floor"]["seconds"]
+        pairs = [
+            t / r for t, r in zip(results["pagedkv"]["times_s"], results["gemm_floor"]["replays_s"])
+        ]
+        ratio = statistics.median(pairs)
         results["ratio_to_gemm_floor"] = ratio
-        print(f"pagedkv wall time / GEMM-only floor: {ratio:.2f}x")
+        results["ratio_to_gemm_floor_pairs"] = pairs
+        print(
+            f"pagedkv wall time / GEMM-only floor: {ratio:.2f}x, the median of each run against "
+            f"the replay right after it ({', '.join(f'{p:.2f}' for p in pairs)})"
+        )
     lc = results.get("llamacpp")
     if "pagedkv" in results and isinstance(lc, dict):
         ratio = results["pagedkv"]["out_tok_per_s"] / lc["out_tok_per_s"]
