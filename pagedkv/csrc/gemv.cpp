@@ -5,9 +5,10 @@
 // with software prefetch:
 // - input-major `w[K, N]` (Linear's layout): column tiles of 128 outputs held in registers, the
 //   tile's next rows prefetched a few rows ahead; each thread takes a contiguous run of tiles.
-// - output-major `w[N, K]` (the LM head's vocab-major copy): 8 dot products at a time, rows
-//   prefetched with the non-temporal hint, so that streaming tens of MB of vocabulary does not
-//   evict the decoder layers' weights from the last-level cache for the next step.
+// - output-major `w[N, K]` (the LM head's vocab-major copy): 8 dot products at a time over one
+//   sequential stream per thread, rows prefetched two groups ahead with the non-temporal hint
+//   (the head, then a step's layer projections, on Zen 4: 0.86-0.90 ms against 0.90-1.11 with
+//   the default hint; the same within noise inside the engine).
 // Without AVX-512 the same loops run as plain C++ (the compiler vectorises them).
 #include <algorithm>
 #include <cstdint>
@@ -19,7 +20,8 @@
 #endif
 
 namespace {
-// Below this many weights one thread is faster than waking the others.
+// From this many weights two threads pay for waking the second (warm, Zen 4: 128 x 256, 4.0 us
+// on one thread, 3.7 on two; 256 x 256, 5.3 vs 4.3 us).
 constexpr int64_t kParallelMinWeights = 1 << 15;
 constexpr int64_t kTile = 128;        // input-major: outputs per tile (8 vectors of 16)
 constexpr int64_t kRowsAhead = 8;     // input-major: prefetch distance, in rows of the tile
