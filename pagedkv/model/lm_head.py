@@ -43,6 +43,12 @@ class LMHead(Linear):
             self.weight_by_vocab = weight.t().contiguous()
             self.batches_by_vocab = self._vocab_major_is_faster()
 
+    def release_unused_copy(self) -> None:
+        """Free the ``[vocab, hidden]`` copy when nothing reads it: no one-row GEMV attached
+        and batches faster against ``[hidden, vocab]`` (``--enforce-eager`` on such a CPU)."""
+        if self.cpu_gemv is None and not self.batches_by_vocab:
+            self.weight_by_vocab = None
+
     def _vocab_major_is_faster(self, repeats: int = 3) -> bool:
         """One ``TUNE_ROWS`` batch against each layout, alternately, ``repeats`` times after a
         warm-up: whether ``[vocab, hidden]`` has the smaller median (0.1 s at startup here)."""

@@ -24,6 +24,7 @@ from pagedkv.model.cpu_gemv import attach as attach_gemv
 from pagedkv.model.cpu_gemv import load_cpu_gemv
 from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
 from pagedkv.model.generation_config import GenerationDefaults
+from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
     SAMPLING_EPS,
@@ -114,6 +115,9 @@ class ModelRunner:
             gemv = load_cpu_gemv()
             if gemv is not None:
                 attach_gemv(self.model, gemv)
+        for module in self.model.modules():
+            if isinstance(module, LMHead):
+                module.release_unused_copy()
         #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
         self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config

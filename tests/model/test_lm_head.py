@@ -43,3 +43,21 @@ def test_the_vocab_major_copy_is_made_only_for_fp32_on_cpu() -> None:
     assert fp32.weight_by_vocab.is_contiguous()
     assert _head(torch.bfloat16).weight_by_vocab is None
     assert "weight_by_vocab" not in fp32.state_dict()  # never saved, never loaded
+
+
+@pytest.mark.parametrize("batches_by_vocab", [False, True])
+def test_the_copy_is_freed_only_when_nothing_reads_it(batches_by_vocab: bool) -> None:
+    """Without the one-row GEMV, only batches could read the ``[vocab, hidden]`` copy."""
+    from pagedkv.model.cpu_gemv import load_cpu_gemv
+
+    head = _head(torch.float32)
+    head.batches_by_vocab = batches_by_vocab
+    head.release_unused_copy()
+    assert (head.weight_by_vocab is not None) == batches_by_vocab
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(head(x), x.double().mm(head.weight.double()).float())
+    attached = _head(torch.float32)
+    attached.batches_by_vocab = False
+    attached.cpu_gemv = load_cpu_gemv()
+    attached.release_unused_copy()
+    assert attached.weight_by_vocab is not None  # the GEMV streams it for one row
