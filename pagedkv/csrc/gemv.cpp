@@ -19,6 +19,8 @@
 #include <omp.h>
 #endif
 
+#include "kernels.h"
+
 namespace {
 // From this many weights two threads pay for waking the second (warm, Zen 4: 128 x 256, 4.0 us
 // on one thread, 3.7 on two; 256 x 256, 5.3 vs 4.3 us).

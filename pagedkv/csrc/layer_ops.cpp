@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels.h"
+
 namespace {
 // 8192 elements: at batch 64 the SiLU (44k elements) and RoPE (33k) calls already pay for it
 // (about 77 -> 58 and 82 -> 63 us per call on this project's 2-core CPU).

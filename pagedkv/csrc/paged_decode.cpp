@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_dtypes.h"
+#include "kernels.h"
 
 namespace {
 using namespace pagedkv;

@@ -23,6 +23,7 @@ from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from pagedkv.model.vocab_embedding import VocabEmbedding
 
 if TYPE_CHECKING:
+    from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
     from pagedkv.model.cpu_layer_ops import CpuLayerOps
 
 
@@ -98,6 +99,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        #: The whole layer for a step's one decoding token in one compiled call
+        #: (``cpu_decode_layer.attach``); None: module by module.
+        self.cpu_decode: CpuDecodeLayer | None = None
 
     def forward(
         self,
@@ -109,6 +113,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual stream: returns ``(mlp output, residual)``, whose sum is the layer's
         output; the next norm adds them (``residual`` None: the first layer)."""
+        one_call = self.cpu_decode
+        if one_call is not None and ctx.kv_connector is None:
+            layer_idx = self.self_attn.layer_idx
+            metadata = ctx.attn_metadata[layer_idx]
+            if one_call.applies(hidden_states, metadata):
+                kv_cache = ctx.kv_caches[layer_idx]
+                return one_call(hidden_states, residual, cos, signed_sin, kv_cache, metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

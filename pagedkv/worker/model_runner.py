@@ -20,6 +20,7 @@ from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.cpu_argmax import load_cpu_argmax
+from pagedkv.model.cpu_decode_layer import attach as attach_decode_layer
 from pagedkv.model.cpu_gemv import attach as attach_gemv
 from pagedkv.model.cpu_gemv import load_cpu_gemv
 from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
@@ -115,6 +116,7 @@ class ModelRunner:
             gemv = load_cpu_gemv()
             if gemv is not None:
                 attach_gemv(self.model, gemv)
+            attach_decode_layer(self.model)
         for module in self.model.modules():
             if isinstance(module, LMHead):
                 module.release_unused_copy()
