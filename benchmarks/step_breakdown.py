@@ -6,8 +6,8 @@ is the rest (norms, RoPE, activations, residual adds, KV writes, sampling, sched
 processing).
 
 ``record_gemm_shapes`` and ``replay_gemms``: the GEMM shapes a run executed, replayed back to
-back on random inputs, each against the faster weight layout: the time that run would take if it
-did nothing but its matrix products (its GEMM-only floor).
+back on random inputs, each through the fastest GEMM available for it: the time that run would
+take if it did nothing but its matrix products (its GEMM-only floor).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
@@ -36,42 +37,60 @@ class _Timed:
 
 @contextlib.contextmanager
 def recording_gemms() -> Iterator[tuple[Counter, _Timed]]:
-    """While open, every ``Linear`` and ``LMHead`` product (MKL's or the compiled one-row GEMV)
-    is timed and its ``(rows, inner, cols)`` counted: ``(shapes, timer)``."""
+    """While open, every ``Linear`` and ``LMHead`` product (MKL's, oneDNN's or the compiled
+    one-row GEMV) is timed and its ``(rows, inner, cols)`` counted: ``(shapes, timer)``. A
+    decoder layer run in one compiled call (``cpu_decode_layer``) has its projections counted,
+    not timed (the call's time is the whole layer's)."""
+    from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
     from pagedkv.model.linear import Linear
     from pagedkv.model.lm_head import LMHead
 
     shapes: Counter = Counter()
     forwards = {cls: cls.forward for cls in (Linear, LMHead)}
+    one_call = CpuDecodeLayer.__call__
 
     def gemm(module: Linear, x: torch.Tensor) -> torch.Tensor:
         shapes[(x.shape[0], *module.weight.shape)] += 1
         return forwards[type(module)](module, x)
 
+    def counted_one_call(layer: CpuDecodeLayer, *args):
+        for in_features, out_features in layer.projection_shapes:
+            shapes[(1, in_features, out_features)] += 1
+        return one_call(layer, *args)
+
     timer = _Timed(gemm)
     for cls in forwards:
         cls.forward = lambda module, x: timer(module, x)
+    CpuDecodeLayer.__call__ = counted_one_call
     try:
         yield shapes, timer
     finally:
         for cls, forward in forwards.items():
             cls.forward = forward
+        CpuDecodeLayer.__call__ = one_call
 
 
 def replay_gemms(shapes: Counter, dtype: torch.dtype, repeats: int = 5) -> float:
     """Seconds to run every GEMM in ``shapes`` (count times each), medians of ``repeats``, each
-    shape against the faster of the two weight layouts (``[k, n]`` or ``[n, k]`` transposed, as
-    ``LMHead`` may use)."""
+    shape through the fastest GEMM the engine can pick for it: MKL against either weight layout
+    (``[k, n]`` or ``[n, k]`` transposed, as ``LMHead`` may use) or, in fp32 where torch has
+    oneDNN, oneDNN against a packed weight (``cpu_onednn``)."""
+    from pagedkv.model.cpu_onednn import onednn_available, pack_weight, packed_matmul
+
     total = 0.0
     for (m, k, n), count in shapes.items():
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        b_by_n = b.t().contiguous().t()
+        products = [partial(torch.mm, a, b), partial(torch.mm, a, b_by_n)]
+        if dtype == torch.float32 and onednn_available():
+            products.append(partial(packed_matmul, a, pack_weight(b), None))
         best = float("inf")
-        for weight in (b, b.t().contiguous().t()):
-            torch.mm(a, weight)
+        for product in products:
+            product()
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                torch.mm(a, weight)
+                product()
                 times.append(time.perf_counter() - start)
             best = min(best, statistics.median(times))
         total += count * best

@@ -117,6 +117,12 @@ class CpuDecodeLayer:
         )
         self._function.restype = _INT
 
+    @property
+    def projection_shapes(self) -> list[tuple[int, int]]:
+        """``(in_features, out_features)`` of the layer's four projections, in call order."""
+        names = ("qkv", "o_proj", "gate_up", "down")
+        return [tuple(self._weights[name].shape) for name in names]  # type: ignore[union-attr]
+
     @staticmethod
     def applies(hidden_states: torch.Tensor, metadata: AttentionMetadata) -> bool:
         """One token, which the metadata runs as a decode (so does a one-token prefill chunk:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from pagedkv.model.cpu_onednn import packed_matmul
 from pagedkv.model.linear import Linear
 
 #: Rows of the batch the two layouts are timed with (a mid-size decode batch).
@@ -70,6 +71,8 @@ class LMHead(Linear):
         by_vocab, gemv = self.weight_by_vocab, self.cpu_gemv
         if by_vocab is not None and gemv is not None and gemv.supports(x):
             return gemv.output_major(x, by_vocab)
+        if self.weight_packed is not None:
+            return packed_matmul(x, self.weight_packed, None)
         if by_vocab is None or x.shape[0] < 2 or not self.batches_by_vocab:
             return torch.mm(x, self.weight)
         return torch.mm(x, by_vocab.t())

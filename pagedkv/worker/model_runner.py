@@ -24,6 +24,7 @@ from pagedkv.model.cpu_decode_layer import attach as attach_decode_layer
 from pagedkv.model.cpu_gemv import attach as attach_gemv
 from pagedkv.model.cpu_gemv import load_cpu_gemv
 from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
+from pagedkv.model.cpu_onednn import attach as attach_onednn
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
@@ -117,6 +118,7 @@ class ModelRunner:
             if gemv is not None:
                 attach_gemv(self.model, gemv)
             attach_decode_layer(self.model)
+            attach_onednn(self.model)
         for module in self.model.modules():
             if isinstance(module, LMHead):
                 module.release_unused_copy()
