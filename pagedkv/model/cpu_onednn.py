@@ -4,19 +4,21 @@ torch's ``torch.mm`` on CPU is MKL, and MKL runs its AVX2 code on AMD CPUs: on t
 2-core AMD EPYC (Zen 5, two 512-bit FMA pipes) it reached 180-200 GFLOP/s on the tiny Llama's
 shapes, where oneDNN, against a weight reordered once into its blocked layout, reached 360-450
 (64 x 256 x 32000, the LM head of a 64-request decode step: 8.1 vs 2.9 ms). vLLM's CPU backend
-prepacks its weights for oneDNN for the same reason; torch's inductor does it with these two
-ops (``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``).
+also prepacks linear weights for oneDNN; torch's inductor does it with these two ops
+(``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``).
 
 ``attach`` gives each ``Linear`` (the LM head included) a packed copy of its weight where one
 batch of ``TUNE_ROWS`` rows ran faster through it than through MKL, timed per weight shape at
 startup; elsewhere (a CPU where MKL is as fast) nothing changes. The copy costs the weight's
-size again: the input-major weight stays, for the one-row GEMV and ``--enforce-eager``.
+size again (the input-major weight stays, for the one-row GEMV and ``--enforce-eager``), so
+nothing is packed where the copies would take more than half of the memory available.
 Values equal MKL's up to fp32 rounding (sums in another order).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING
@@ -73,28 +75,48 @@ def _packed_is_faster(module: Linear, packed: torch.Tensor, repeats: int = 3) ->
     return statistics.median(times[True]) < statistics.median(times[False])
 
 
+def _available_memory() -> int | None:
+    """Bytes of physical memory available now (Linux), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def attach(model: nn.Module) -> int:
     """Give every ``Linear`` of ``model`` (fp32 on the CPU, weights loaded) a packed copy of its
-    weight where oneDNN timed faster for its shape; returns how many took one (0 where torch
-    has no oneDNN). Shapes are timed once each, without touching the global RNG."""
+    weight where oneDNN timed faster for its shape; returns how many took one. Shapes are timed
+    once each, without touching the global RNG. None is packed where torch has no oneDNN, or
+    where the copies would take more than half of the memory available."""
     from pagedkv.model.linear import Linear
 
     if not onednn_available():
         return 0
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     faster: dict[tuple, bool] = {}
-    packed_bytes = 0
+    packed: dict[int, torch.Tensor] = {}  # the copy each shape was timed with, by module
     for module in linears:
         key = (type(module), *module.weight.shape, module.bias is None)
-        packed = pack_weight(module.weight.detach())
         if key not in faster:
-            faster[key] = _packed_is_faster(module, packed)
-        if faster[key]:
-            module.weight_packed = packed
-            packed_bytes += module.weight.numel() * module.weight.element_size()
-    taken = sum(m.weight_packed is not None for m in linears)
+            packed[id(module)] = pack_weight(module.weight.detach())
+            faster[key] = _packed_is_faster(module, packed[id(module)])
+    chosen = [m for m in linears if faster[(type(m), *m.weight.shape, m.bias is None)]]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in chosen)
+    available = _available_memory()
+    if available is not None and needed > available // 2:
+        logger.warning(
+            "oneDNN not used: packed weights (%.0f MB) would take more than half of the "
+            "%.0f MB available; batches run through MKL",
+            needed / 2**20, available / 2**20,
+        )  # fmt: skip
+        return 0
+    for module in chosen:
+        timed_copy = packed.get(id(module))
+        module.weight_packed = (
+            timed_copy if timed_copy is not None else pack_weight(module.weight.detach())
+        )
     logger.info(
         "oneDNN packed weights for %d of %d linear layers (%.1f MB more)",
-        taken, len(linears), packed_bytes / 2**20,
+        len(chosen), len(linears), needed / 2**20,
     )  # fmt: skip
-    return taken
+    return len(chosen)

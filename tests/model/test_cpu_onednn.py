@@ -13,7 +13,7 @@ from pagedkv.model.cpu_onednn import onednn_available, pack_weight, packed_matmu
 from pagedkv.model.linear import Linear
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
-from tests.model.test_models import paged_greedy
+from tests.model.test_models import hf_greedy, paged_greedy
 from tests.tiny_models import CONFIGS, build_checkpoint, random_prompt
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -96,6 +96,20 @@ def test_attach_times_each_shape_once_and_keeps_the_products(
         torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-4, atol=1e-4)
 
 
+def test_nothing_is_packed_where_the_copies_would_crowd_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies needing more than half of the available memory: MKL for every layer."""
+    build_checkpoint(tmp_path, CONFIGS["llama"]())
+    model = load_model(tmp_path)
+    monkeypatch.setattr(cpu_onednn, "_packed_is_faster", lambda module, packed: True)
+    monkeypatch.setattr(cpu_onednn, "_available_memory", lambda: 2**10)
+    assert cpu_onednn.attach(model) == 0
+    assert all(m.weight_packed is None for m in model.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(cpu_onednn, "_available_memory", lambda: 2**40)
+    assert cpu_onednn.attach(model) == 9
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window"])
 def test_greedy_decode_through_packed_weights_matches_generate(arch: str, tmp_path: Path) -> None:
     """Every Linear packed (whatever this CPU's timing would pick): prompts prefilled in one
@@ -109,13 +123,4 @@ def test_greedy_decode_through_packed_weights_matches_generate(arch: str, tmp_pa
     prompts = [random_prompt(n, seed=20 + n) for n in (11, 3, 26)]
     num_new = 24
     for prompt, generated in zip(prompts, paged_greedy(model, prompts, num_new), strict=True):
-        with torch.inference_mode():
-            expected = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :]
-        assert generated == expected.tolist()
+        assert generated == hf_greedy(hf_model, prompt, num_new)

@@ -119,6 +119,20 @@ def paged_greedy(
     return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
+def hf_greedy(hf_model: PreTrainedModel, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``num_new`` tokens."""
+    with torch.inference_mode():
+        generated = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return generated[0, len(prompt) :].tolist()
+
+
 def hf_logits(hf_model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return hf_model(torch.tensor([ids])).logits[0].float()
@@ -175,16 +189,7 @@ def test_greedy_decode_matches_generate(
     prompts = [random_prompt(n, seed=10 + n) for n in (11, 3, 26)]
     ours = paged_greedy(model, prompts, num_new)
     for prompt, generated in zip(prompts, ours, strict=True):
-        with torch.inference_mode():
-            expected = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                max_new_tokens=num_new,
-                min_new_tokens=num_new,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :]
-        assert generated == expected.tolist()
+        assert generated == hf_greedy(hf_model, prompt, num_new)
     assert paged_greedy(model, prompts[:1], num_new) == ours[:1]
 
 
