@@ -9,9 +9,10 @@ Llama): the LM head then the 16 layer projections of a step, in sequence, 0.86-0
 against MKL's 1.26-1.37 + 0.99 ms; in the engine, one request's inter-token time 2.86 against
 3.80 ms (interleaved, 5 pairs).
 
-``Linear`` (input-major weight) and ``LMHead`` (its vocab-major copy) use them for one fp32 row
-once ``attach`` gives them the kernel; the model runner does that for an fp32 model on CPU
-unless ``--enforce-eager``. Values equal torch's up to fp32 rounding (sums in another order).
+``Linear`` (input-major weight) and ``LMHead`` (whichever of its layouts it timed faster) use
+them for one fp32 row once ``attach`` gives them the kernel; the model runner does that for an
+fp32 model on CPU unless ``--enforce-eager``. Values equal torch's up to fp32 rounding (sums
+in another order).
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ def load_cpu_gemv() -> CpuGemv | None:
 
 def attach(model: nn.Module, gemv: CpuGemv) -> int:
     """Give ``gemv`` to every ``Linear`` (the LM head included) of ``model``, which must run in
-    fp32 on the CPU; returns how many modules took it."""
+    fp32 on the CPU, and let the LM head time which of its layouts the GEMV reads faster;
+    returns how many modules took it."""
     from pagedkv.model.linear import Linear
+    from pagedkv.model.lm_head import LMHead
 
     modules = [m for m in model.modules() if isinstance(m, Linear)]
     for module in modules:
         module.cpu_gemv = gemv
+        if isinstance(module, LMHead):
+            module.choose_gemv_layout()
     return len(modules)

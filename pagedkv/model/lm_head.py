@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -17,18 +18,36 @@ TUNE_ROWS = 32
 TUNE_MAX_WEIGHTS = 1 << 24
 
 
+def _first_is_faster(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> bool:
+    """Both, alternately, ``repeats`` times after a warm-up round: whether ``first`` has the
+    smaller median time."""
+    times: tuple[list[float], list[float]] = ([], [])
+    with torch.no_grad():
+        for attempt in range(repeats + 1):
+            for run, recorded in zip((first, second), times):
+                start = time.perf_counter()
+                run()
+                if attempt:
+                    recorded.append(time.perf_counter() - start)
+    return statistics.median(times[0]) < statistics.median(times[1])
+
+
 class LMHead(Linear):
-    """``Linear(hidden_size, vocab_size)`` that, in fp32 on CPU, also keeps the checkpoint's
-    ``[vocab, hidden]`` layout (``vocab x hidden`` more memory).
+    """``Linear(hidden_size, vocab_size)`` that, in fp32 on CPU, may also keep the checkpoint's
+    ``[vocab, hidden]`` layout (``vocab x hidden`` more memory), where it pays.
 
-    - One row: the compiled GEMV streams the ``[vocab, hidden]`` copy (``cpu_gemv``); without
-      it, MKL against ``[hidden, vocab]``.
-    - Batches: MKL against whichever layout ``prepare`` timed faster on this machine. The
-      answer depends on the CPU: 256 x 32000, 2 threads, ``[vocab, hidden]`` vs
-      ``[hidden, vocab]``: an Intel Xeon 1.7 vs 4.6 ms at 2 rows and 9.0 vs 11.0 ms at 64; an
-      AMD EPYC (Zen 4) 11.1 vs 3.5 ms at 2 rows and 17.4 vs 14.2 ms at 64.
+    - One row: the compiled GEMV (``cpu_gemv``) against whichever layout
+      ``choose_gemv_layout`` timed faster; without it, MKL against ``[hidden, vocab]``.
+    - Batches: oneDNN's packed copy where ``cpu_onednn`` chose it, else MKL against whichever
+      layout ``prepare`` timed faster on this machine. The answer depends on the CPU:
+      256 x 32000, 2 threads, ``[vocab, hidden]`` vs ``[hidden, vocab]``: an Intel Xeon 1.7 vs
+      4.6 ms at 2 rows and 9.0 vs 11.0 ms at 64; an AMD EPYC (Zen 4) 11.1 vs 3.5 ms at 2 rows
+      and 17.4 vs 14.2 ms at 64.
 
-    Call ``prepare`` once the weight is loaded.
+    Call ``prepare`` once the weight is loaded, and ``release_unused_copy`` once the kernels
+    are attached.
     """
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -36,6 +55,8 @@ class LMHead(Linear):
         self.register_buffer("weight_by_vocab", None, persistent=False)
         #: Batches multiply against ``weight_by_vocab`` (set by ``prepare``).
         self.batches_by_vocab = False
+        #: The one-row GEMV reads ``weight_by_vocab`` (set by ``choose_gemv_layout``).
+        self.gemv_by_vocab = True
 
     def prepare(self) -> None:
         """Build the ``[vocab, hidden]`` copy (fp32 on CPU) and time which layout batches take."""
@@ -44,33 +65,46 @@ class LMHead(Linear):
             self.weight_by_vocab = weight.t().contiguous()
             self.batches_by_vocab = self._vocab_major_is_faster()
 
+    def choose_gemv_layout(self, repeats: int = 5) -> None:
+        """Time one row through the attached GEMV against each layout (alternately, after a
+        warm-up) and keep the faster: on a Zen 5 EPYC the two are equal inside the engine
+        (1.40 vs 1.38 ms per token), so the copy can go; elsewhere it was the faster one."""
+        gemv, by_vocab = self.cpu_gemv, self.weight_by_vocab
+        if gemv is None or by_vocab is None:
+            return
+        x = torch.full((1, self.weight.shape[0]), 0.5)
+        self.gemv_by_vocab = _first_is_faster(
+            lambda: gemv.output_major(x, by_vocab),
+            lambda: gemv.input_major(x, self.weight, None),
+            repeats,
+        )
+
     def release_unused_copy(self) -> None:
-        """Free the ``[vocab, hidden]`` copy when nothing reads it: no one-row GEMV attached
-        and batches faster against ``[hidden, vocab]`` (``--enforce-eager`` on such a CPU)."""
-        if self.cpu_gemv is None and not self.batches_by_vocab:
+        """Free the ``[vocab, hidden]`` copy when nothing reads it: one rows go elsewhere (no
+        GEMV, or the GEMV timed no slower against ``[hidden, vocab]``) and so do batches
+        (oneDNN's packed copy, or MKL timed faster against ``[hidden, vocab]``)."""
+        rows_read_it = self.cpu_gemv is not None and self.gemv_by_vocab
+        batches_read_it = self.weight_packed is None and self.batches_by_vocab
+        if not rows_read_it and not batches_read_it:
             self.weight_by_vocab = None
 
     def _vocab_major_is_faster(self, repeats: int = 3) -> bool:
-        """One ``TUNE_ROWS`` batch against each layout, alternately, ``repeats`` times after a
-        warm-up: whether ``[vocab, hidden]`` has the smaller median (0.1 s at startup here)."""
+        """One ``TUNE_ROWS`` batch against each layout: whether ``[vocab, hidden]`` has the
+        smaller median (0.1 s at startup here)."""
         hidden, vocab = self.weight.shape
         columns = min(vocab, max(1, TUNE_MAX_WEIGHTS // hidden))
         x = torch.full((TUNE_ROWS, hidden), 0.5)
-        layouts = {False: self.weight[:, :columns], True: self.weight_by_vocab[:columns].t()}
-        times: dict[bool, list[float]] = {False: [], True: []}
-        with torch.no_grad():
-            for attempt in range(repeats + 1):
-                for by_vocab, weight in layouts.items():
-                    start = time.perf_counter()
-                    torch.mm(x, weight)
-                    if attempt:  # the first round warms up
-                        times[by_vocab].append(time.perf_counter() - start)
-        return statistics.median(times[True]) < statistics.median(times[False])
+        by_hidden, by_vocab = self.weight[:, :columns], self.weight_by_vocab[:columns].t()
+        return _first_is_faster(
+            lambda: torch.mm(x, by_vocab), lambda: torch.mm(x, by_hidden), repeats
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         by_vocab, gemv = self.weight_by_vocab, self.cpu_gemv
-        if by_vocab is not None and gemv is not None and gemv.supports(x):
-            return gemv.output_major(x, by_vocab)
+        if gemv is not None and gemv.supports(x):
+            if by_vocab is not None and self.gemv_by_vocab:
+                return gemv.output_major(x, by_vocab)
+            return gemv.input_major(x, self.weight, None)
         if self.weight_packed is not None:
             return packed_matmul(x, self.weight_packed, None)
         if by_vocab is None or x.shape[0] < 2 or not self.batches_by_vocab:

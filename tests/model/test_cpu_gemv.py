@@ -87,9 +87,11 @@ def test_bad_operands_are_refused_before_a_pointer_crosses(gemv) -> None:
         gemv.output_major(x, weight)
 
 
-def test_linear_and_the_lm_head_use_it_for_one_row_only(gemv) -> None:
-    """Attached, one fp32 row goes through the kernel (Linear's weight, the head's vocab-major
-    copy); batches, and rows it does not take, keep torch's path. Same values either way."""
+@pytest.mark.parametrize("gemv_by_vocab", [True, False])
+def test_linear_and_the_lm_head_use_it_for_one_row_only(gemv, gemv_by_vocab: bool) -> None:
+    """Attached, one fp32 row goes through the kernel (Linear's weight, the head's layout that
+    ``choose_gemv_layout`` picked); batches, and rows it does not take, keep torch's path. Same
+    values either way."""
     linear, head = Linear(48, 100, bias=True), LMHead(48, 1000)
     with torch.no_grad():
         for p in (*linear.parameters(), head.weight):
@@ -98,6 +100,8 @@ def test_linear_and_the_lm_head_use_it_for_one_row_only(gemv) -> None:
     rows = {n: _randn(n, 48, seed=n) for n in (1, 3)}
     plain = {n: (linear(x), head(x)) for n, x in rows.items()}
     assert attach(torch.nn.Sequential(linear, head), gemv) == 2
+    assert isinstance(head.gemv_by_vocab, bool)  # timed at attach
+    head.gemv_by_vocab = gemv_by_vocab
     calls: list[str] = []
     for name in ("input_major", "output_major"):
         kernel = getattr(gemv, name)
@@ -109,7 +113,8 @@ def test_linear_and_the_lm_head_use_it_for_one_row_only(gemv) -> None:
         linear(rows[1].double().float()[:, :48])  # a contiguous copy: still one row
     finally:
         del gemv.input_major, gemv.output_major
-    assert calls == ["input_major", "output_major", "input_major"]
+    head_kernel = "output_major" if gemv_by_vocab else "input_major"
+    assert calls == ["input_major", head_kernel, "input_major"]
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="-mno-avx512f is an x86 flag")

@@ -61,3 +61,28 @@ def test_the_copy_is_freed_only_when_nothing_reads_it(batches_by_vocab: bool) ->
     attached.cpu_gemv = load_cpu_gemv()
     attached.release_unused_copy()
     assert attached.weight_by_vocab is not None  # the GEMV streams it for one row
+
+
+@pytest.mark.parametrize("gemv_by_vocab", [True, False])
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_copy_is_kept_exactly_while_one_rows_or_batches_read_it(
+    gemv_by_vocab: bool, packed: bool
+) -> None:
+    """Batches read it when MKL timed it faster and no oneDNN copy is packed; one rows when
+    the GEMV timed it faster. Every row count still gets the weight's products."""
+    from pagedkv.model.cpu_gemv import load_cpu_gemv
+    from pagedkv.model.cpu_onednn import onednn_available, pack_weight
+
+    if packed and not onednn_available():
+        pytest.skip("torch built without oneDNN")
+    head = _head(torch.float32)
+    head.batches_by_vocab = True
+    head.cpu_gemv = load_cpu_gemv()
+    head.choose_gemv_layout()
+    head.gemv_by_vocab = gemv_by_vocab
+    head.weight_packed = pack_weight(head.weight.detach()) if packed else None
+    head.release_unused_copy()
+    assert (head.weight_by_vocab is not None) == (gemv_by_vocab or not packed)
+    for num_rows in (1, 6):
+        x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(num_rows))
+        torch.testing.assert_close(head(x), x.double().mm(head.weight.double()).float())
