@@ -154,7 +154,8 @@ def test_nan_or_infinity_is_a_400_and_nothing_stays_in_flight(proxy_with, body: 
     assert seen == {"p": [], "d": []}
     # The pair still serves (least_loaded routing is not skewed by the bad requests).
     assert client.post("/v1/completions", json=BODY).status_code == 200
-    assert client.get("/instances").json()["in_flight"] == {}
+    # P's answer may still be on its way when D's reaches the client: its count drains then.
+    wait_until(lambda: client.get("/instances").json()["in_flight"] == {})
 
 
 def test_a_decode_request_that_cannot_be_built_is_not_left_in_flight():
