@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
-import time
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from pagedkv.model.tuning import first_is_faster
 
 if TYPE_CHECKING:
     from pagedkv.model.linear import Linear
@@ -59,20 +59,14 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def _packed_is_faster(module: Linear, packed: torch.Tensor, repeats: int = 3) -> bool:
-    """One ``TUNE_ROWS`` batch through ``module`` with and without ``packed``, alternately,
-    ``repeats`` times after a warm-up: whether the packed copy has the smaller median."""
-    x = torch.full((TUNE_ROWS, module.weight.shape[0]), 0.5)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    with torch.no_grad():
-        for attempt in range(repeats + 1):
-            for use_packed in (False, True):
-                module.weight_packed = packed if use_packed else None
-                start = time.perf_counter()
-                module(x)
-                if attempt:  # the first round warms up
-                    times[use_packed].append(time.perf_counter() - start)
+    """One ``TUNE_ROWS`` batch through ``packed`` and through ``module``'s MKL path: whether
+    the packed copy has the smaller median (``tuning.first_is_faster``). Leaves ``module``
+    without a packed copy."""
     module.weight_packed = None
-    return statistics.median(times[True]) < statistics.median(times[False])
+    x = torch.full((TUNE_ROWS, module.weight.shape[0]), 0.5)
+    return first_is_faster(
+        lambda: packed_matmul(x, packed, module.bias), lambda: module(x), repeats
+    )
 
 
 def _available_memory() -> int | None:
@@ -93,14 +87,17 @@ def attach(model: nn.Module) -> int:
     if not onednn_available():
         return 0
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+
+    def shape(module: Linear) -> tuple:
+        return (type(module), *module.weight.shape, module.bias is None)
+
     faster: dict[tuple, bool] = {}
     packed: dict[int, torch.Tensor] = {}  # the copy each shape was timed with, by module
     for module in linears:
-        key = (type(module), *module.weight.shape, module.bias is None)
-        if key not in faster:
+        if shape(module) not in faster:
             packed[id(module)] = pack_weight(module.weight.detach())
-            faster[key] = _packed_is_faster(module, packed[id(module)])
-    chosen = [m for m in linears if faster[(type(m), *m.weight.shape, m.bias is None)]]
+            faster[shape(module)] = _packed_is_faster(module, packed[id(module)])
+    chosen = [m for m in linears if faster[shape(m)]]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in chosen)
     available = _available_memory()
     if available is not None and needed > available // 2:

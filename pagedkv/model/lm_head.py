@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 
 from pagedkv.model.cpu_onednn import packed_matmul
 from pagedkv.model.linear import Linear
+from pagedkv.model.tuning import first_is_faster
 
 #: Rows of the batch the two layouts are timed with (a mid-size decode batch).
 TUNE_ROWS = 32
 #: At most this many weights take part in the timing (64 MB of fp32): enough that they stream
 #: from memory as the whole head does, bounded for large vocabularies.
 TUNE_MAX_WEIGHTS = 1 << 24
-
-
-def _first_is_faster(
-    first: Callable[[], object], second: Callable[[], object], repeats: int
-) -> bool:
-    """Both, alternately, ``repeats`` times after a warm-up round: whether ``first`` has the
-    smaller median time."""
-    times: tuple[list[float], list[float]] = ([], [])
-    with torch.no_grad():
-        for attempt in range(repeats + 1):
-            for run, recorded in zip((first, second), times):
-                start = time.perf_counter()
-                run()
-                if attempt:
-                    recorded.append(time.perf_counter() - start)
-    return statistics.median(times[0]) < statistics.median(times[1])
 
 
 class LMHead(Linear):
@@ -73,7 +54,7 @@ class LMHead(Linear):
         if gemv is None or by_vocab is None:
             return
         x = torch.full((1, self.weight.shape[0]), 0.5)
-        self.gemv_by_vocab = _first_is_faster(
+        self.gemv_by_vocab = first_is_faster(
             lambda: gemv.output_major(x, by_vocab),
             lambda: gemv.input_major(x, self.weight, None),
             repeats,
@@ -95,7 +76,7 @@ class LMHead(Linear):
         columns = min(vocab, max(1, TUNE_MAX_WEIGHTS // hidden))
         x = torch.full((TUNE_ROWS, hidden), 0.5)
         by_hidden, by_vocab = self.weight[:, :columns], self.weight_by_vocab[:columns].t()
-        return _first_is_faster(
+        return first_is_faster(
             lambda: torch.mm(x, by_vocab), lambda: torch.mm(x, by_hidden), repeats
         )
 
