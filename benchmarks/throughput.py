@@ -35,7 +35,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from step_breakdown import decode_breakdown, record_gemm_shapes, replay_gemms  # noqa: E402
+from step_breakdown import (  # noqa: E402
+    decode_breakdown,
+    record_run,
+    replay_gemms,
+    streaming_read_bandwidth,
+)
 
 DEFAULT_ANCHOR = os.path.join(HERE, "..", "..", "shared", "anchors", "hf_peer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -184,11 +189,15 @@ def main() -> None:
         llm = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager)
         results["startup_s"] = time.perf_counter() - start
         print(f"pagedkv engine ready in {results['startup_s']:.1f} s", flush=True)
-    shapes = None
-    if "floor" in modes:  # from one untimed run: recording costs a little per GEMM
+    shapes, kv_bytes = None, 0
+    if "floor" in modes:  # from one untimed run: recording costs a little per call
         llm.llm_engine.reset_prefix_cache()
-        shapes = record_gemm_shapes(lambda: llm.generate(prompts, greedy, use_tqdm=False))
+        shapes, kv_bytes = record_run(
+            lambda: llm.generate(prompts, greedy, use_tqdm=False),
+            llm.llm_engine.model_runner.attn_backend,
+        )
     replays: list[float] = []
+    bandwidths: list[float] = []
     if "ours" in modes:
         # Warm-up over the measured shapes: the whole workload, a few tokens each.
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -201,18 +210,31 @@ def main() -> None:
                 setup=lambda attempt: llm.llm_engine.reset_prefix_cache(),
             )
             times.append(cpu["wall_s"])
-            if shapes is not None:  # the floor, replayed in the same phase of the machine
+            if shapes is not None:  # the floors, measured in the same phase of the machine
                 replays.append(replay_gemms(shapes, dtype))
+                bandwidths.append(streaming_read_bandwidth())
         outputs["ours"] = [o.outputs[0].token_ids for o in outs]
         summarize("pagedkv", times)
     if shapes is not None:
         replays = replays or [replay_gemms(shapes, dtype) for _ in range(args.runs)]
+        bandwidths = bandwidths or [streaming_read_bandwidth() for _ in range(args.runs)]
         floor = statistics.median(replays)
         num_gemms = sum(shapes.values())
         results["gemm_floor"] = dict(seconds=floor, replays_s=replays, num_gemms=num_gemms)
+        kv_floors = [kv_bytes / bw for bw in bandwidths]
+        results["kv_read_floor"] = dict(
+            seconds=statistics.median(kv_floors),
+            bytes=kv_bytes,
+            read_bytes_per_s=bandwidths,
+            seconds_each=kv_floors,
+        )
         print(
             f"GEMM-only floor of one run: {floor:.2f} s, median of {len(replays)} replays "
-            f"({', '.join(f'{r:.2f}' for r in replays)}; {num_gemms} GEMMs)"
+            f"({', '.join(f'{r:.2f}' for r in replays)}; {num_gemms} GEMMs)\n"
+            f"KV-read floor of one run: {kv_bytes / 1e9:.1f} GB of K/V at "
+            f"{statistics.median(bandwidths) / 1e9:.1f} GB/s (streaming read, "
+            f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}) = "
+            f"{statistics.median(kv_floors):.2f} s"
         )
     if "breakdown" in modes:
         eager = LLM(model_dir, dtype=args.dtype, device="cpu", enforce_eager=True)
@@ -225,7 +247,8 @@ def main() -> None:
             print(
                 f"decode step at batch {row['batch']} ({name}): {row['step_ms']:.1f} ms = "
                 f"GEMM {row['gemm_ms']:.1f} + attention {row['attention_ms']:.1f} + "
-                f"other {row['other_ms']:.1f}; GEMM-only floor {row['gemm_floor_ms']:.1f} ms",
+                f"other {row['other_ms']:.1f}; GEMM-only floor {row['gemm_floor_ms']:.1f} ms, "
+                f"KV-read floor {row['kv_read_floor_ms']:.1f} ms",
                 flush=True,
             )
         del eager
@@ -308,6 +331,19 @@ def main() -> None:
         print(
             f"pagedkv wall time / GEMM-only floor: {ratio:.2f}x, the median of each run against "
             f"the replay right after it ({', '.join(f'{p:.2f}' for p in pairs)})"
+        )
+        kv_floors = results["kv_read_floor"]["seconds_each"]
+        pairs = [
+            t / (r + kv)
+            for t, r, kv in zip(
+                results["pagedkv"]["times_s"], results["gemm_floor"]["replays_s"], kv_floors
+            )
+        ]
+        ratio = statistics.median(pairs)
+        results["ratio_to_gemm_and_kv_floor"] = ratio
+        print(
+            f"pagedkv wall time / (GEMM-only + KV-read floor): {ratio:.2f}x "
+            f"({', '.join(f'{p:.2f}' for p in pairs)})"
         )
     lc = results.get("llamacpp")
     if "pagedkv" in results and isinstance(lc, dict):
