@@ -224,7 +224,6 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=params,
                 generator=generator,
-                output_token_ids=new.token_ids[new.num_prompt_tokens :],
             )
             self.requests[new.req_id] = state
             batch.add_request(state, new.token_ids, new.num_computed_tokens, new.block_ids)
@@ -312,25 +311,32 @@ class ModelRunner:
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list[Logprobs | None] | None = None
         if sample_idx.size:
+            sampled_rows = rows[sample_idx]
             last_token = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(self.device)
             logits = self.model.compute_logits(hidden_states[last_token])
-            states = [batch.states[r] for r in rows[sample_idx]]
-            self._mask_stop_tokens_before_min_tokens(logits, states)
-            metadata = self._sampling_metadata(states)
-            if grammar_bitmask is not None:
-                self._add_grammar_bitmask(metadata, states, grammar_bitmask)
+            states = None
+            if grammar_bitmask is None and batch.plain[sampled_rows].all():
+                metadata = SamplingMetadata(
+                    temperature=torch.zeros(sample_idx.size, device=self.device), all_greedy=True
+                )
+            else:
+                states = [batch.states[r] for r in sampled_rows]
+                self._mask_stop_tokens_before_min_tokens(logits, states)
+                metadata = self._sampling_metadata(states)
+                if grammar_bitmask is not None:
+                    self._add_grammar_bitmask(metadata, states, grammar_bitmask)
             out = sample(logits, metadata, self.argmax_kernel)
             tokens = out.sampled_token_ids.tolist()
-            entries = _to_logprobs(out.logprobs) if out.logprobs is not None else None
-            if entries is not None:
+            batch.append_tokens(sampled_rows, tokens)
+            for i, token in zip(sample_idx.tolist(), tokens):
+                sampled_token_ids[i] = [token]
+            if out.logprobs is not None:
+                assert states is not None  # plain rows ask for no logprobs
                 logprobs = [None] * num_reqs
-            for j, i in enumerate(sample_idx.tolist()):
-                sampled_token_ids[i] = [tokens[j]]
-                batch.append_token(int(rows[i]), tokens[j])
-                if entries is not None and states[j].sampling_params.logprobs is not None:
+                for j, (i, e) in enumerate(zip(sample_idx.tolist(), _to_logprobs(out.logprobs))):
                     k = states[j].sampling_params.logprobs
-                    e = entries[j]
-                    logprobs[i] = Logprobs(e.token_ids[: k + 1], e.logprobs[: k + 1], e.rank)  # type: ignore[index]
+                    if k is not None:
+                        logprobs[i] = Logprobs(e.token_ids[: k + 1], e.logprobs[: k + 1], e.rank)  # type: ignore[index]
 
         prompt_logprobs = self._prompt_logprobs(
             req_ids, rows, num_computed, counts, query_start_loc, hidden_states
@@ -370,8 +376,8 @@ class ModelRunner:
             repetition_penalties=column("repetition_penalty", 1.0),
             presence_penalties=column("presence_penalty", 0.0),
             frequency_penalties=column("frequency_penalty", 0.0),
-            prompt_token_ids=[self._prompt_ids(s) for s in states] if has_penalties else None,
-            output_token_ids=[s.output_token_ids for s in states] if has_penalties else None,
+            prompt_token_ids=[self._token_ids(s)[0] for s in states] if has_penalties else None,
+            output_token_ids=[self._token_ids(s)[1] for s in states] if has_penalties else None,
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             all_greedy=all_greedy,
@@ -392,9 +398,11 @@ class ModelRunner:
         mask[[rows[i] for i in present]] = grammar_bitmask.allowed(vocab_size)[present]
         metadata.allowed_token_mask = torch.from_numpy(mask).to(self.device)
 
-    def _prompt_ids(self, state: CachedRequestState) -> np.ndarray:
-        row = self.input_batch.req_id_to_index[state.req_id]
-        return self.input_batch.token_ids_cpu[row, : state.num_prompt_tokens]
+    def _token_ids(self, state: CachedRequestState) -> tuple[np.ndarray, np.ndarray]:
+        """The request's prompt and output tokens so far (views of its row)."""
+        batch = self.input_batch
+        row = batch.req_id_to_index[state.req_id]
+        return batch.token_ids_cpu[row, : state.num_prompt_tokens], batch.output_token_ids(row)
 
     def _mask_stop_tokens_before_min_tokens(
         self, logits: torch.Tensor, states: list[CachedRequestState]
@@ -403,7 +411,7 @@ class ModelRunner:
         sampled (so the stop check after sampling needs no min_tokens case)."""
         for i, state in enumerate(states):
             params = state.sampling_params
-            if len(state.output_token_ids) >= params.min_tokens:
+            if len(self._token_ids(state)[1]) >= params.min_tokens:
                 continue
             banned = list(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
@@ -423,6 +431,8 @@ class ModelRunner:
         """Logprob of prompt token ``p + 1`` for each prompt position ``p`` computed this step."""
         out: dict[str, list[Logprobs]] = {}
         batch = self.input_batch
+        if batch.plain[rows].all():  # plain requests ask for no prompt logprobs
+            return out
         for i, req_id in enumerate(req_ids):
             state = batch.states[rows[i]]
             k = state.sampling_params.prompt_logprobs
