@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from pagedkv.engine.chat_template import render_chat
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -72,6 +73,12 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
                 )
+        # vLLM's LLM.generate asks for final outputs only: no per-step outputs to build.
+        final_only = {
+            id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in params_list
+        }
+        params_list = [final_only[id(p)] for p in params_list]
         engine = self.llm_engine
         ids = []
         try:

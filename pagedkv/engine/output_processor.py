@@ -2,8 +2,11 @@
 
 A request with ``n`` sequences runs in the scheduler as ``n`` child requests (one when
 ``n == 1``, under the request's own id). Each child keeps its own text and stop state; every
-step that moves any child yields one RequestOutput for the parent holding all ``n``
-completions (cumulative, in index order), finished once every child is.
+step that moves any child yields one RequestOutput for the parent, finished once every child
+is. Its ``output_kind`` (vLLM's ``RequestOutputKind``) says what the output holds: all ``n``
+completions from the start, in index order (``CUMULATIVE``); the completions that moved, with
+only what is new since the last output (``DELTA``); or nothing until the request finishes,
+then everything (``FINAL_ONLY``: no per-step outputs to build).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pagedkv.engine.outputs import (
     RequestOutput,
 )
 from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedkv.worker.model_runner_output import Logprobs
 
 
@@ -44,6 +47,10 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: What earlier ``DELTA`` outputs carried: characters of ``text``, tokens, the finish.
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_sent: bool = False
 
 
 @dataclass
@@ -51,11 +58,14 @@ class ParentState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
     sequences: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+    #: Prompt positions whose logprobs earlier ``DELTA`` outputs carried.
+    num_sent_prompt_logprobs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -73,7 +83,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
         """``children[i]`` computes sequence ``i`` of request ``request_id``."""
         first = children[0]
-        parent = ParentState(request_id, prompt, first.prompt_token_ids)
+        parent = ParentState(
+            request_id, prompt, first.prompt_token_ids, first.sampling_params.output_kind
+        )
         if first.sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for index, child in enumerate(children):
@@ -148,6 +160,8 @@ class OutputProcessor:
             if finished:
                 del self.parents[parent.request_id]
                 parent.sequences[0].metrics.finished_time = now
+            elif parent.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue
             outputs.append(self._make_output(parent, finished))
         return outputs, stopped
 
@@ -209,21 +223,37 @@ class OutputProcessor:
         return False
 
     def _make_output(self, parent: ParentState, finished: bool) -> RequestOutput:
+        delta = parent.output_kind is RequestOutputKind.DELTA
         completions = []
         for state in parent.sequences:
             done = state.finish_reason is not None
+            num_chars = len(state.text) if done else state.num_stable_chars
+            num_tokens = len(state.token_ids)
+            first_char = first_token = 0
+            if delta:
+                first_char, first_token = state.num_sent_chars, state.num_sent_tokens
+                sent = (first_token, first_char, state.finish_sent)
+                if sent == (num_tokens, num_chars, done):
+                    continue  # nothing new in this sequence
+                state.num_sent_chars, state.num_sent_tokens = num_chars, num_tokens
+                state.finish_sent = done
             logprobs = state.logprobs
             completions.append(
                 CompletionOutput(
                     index=state.index,
-                    text=state.text if done else state.text[: state.num_stable_chars],
-                    token_ids=list(state.token_ids),
-                    logprobs=list(logprobs) if logprobs is not None else None,
+                    text=state.text[first_char:num_chars],
+                    token_ids=state.token_ids[first_token:],
+                    logprobs=logprobs[first_token:] if logprobs is not None else None,
                     finish_reason=state.finish_reason,
                     stop_reason=state.stop_reason,
                     cumulative_logprob=state.cumulative_logprob if logprobs is not None else None,
                 )
             )
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            first = parent.num_sent_prompt_logprobs
+            parent.num_sent_prompt_logprobs = len(prompt_logprobs)
+            prompt_logprobs = prompt_logprobs[first:] or None
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -231,7 +261,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             metrics=parent.sequences[0].metrics,
-            prompt_logprobs=parent.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
             kv_transfer_params=parent.kv_transfer_params,
             error=parent.error,

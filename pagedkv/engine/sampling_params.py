@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 MAX_LOGPROBS = 20
 #: Sequences per request: each is a request of its own in the scheduler, so one request must
@@ -83,6 +84,16 @@ class StructuredOutputsParams:
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+class RequestOutputKind(IntEnum):
+    """vLLM's: what each of a request's outputs holds. ``CUMULATIVE``: every output so far
+    (text and tokens from the start); ``DELTA``: only what is new since the request's last
+    output; ``FINAL_ONLY``: one output, when the request finishes (``LLM.generate``'s)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """vLLM's sampling parameters (the subset pagedkv implements).
@@ -114,6 +125,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -172,6 +184,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             fail("structured_outputs", "must be a StructuredOutputsParams")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "must be a RequestOutputKind")
 
     @property
     def is_greedy(self) -> bool:

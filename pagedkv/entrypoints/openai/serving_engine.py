@@ -37,7 +37,11 @@ from pagedkv.engine.async_llm import (
 )
 from pagedkv.engine.llm_engine import PromptType
 from pagedkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedkv.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedkv.entrypoints.openai.errors import KV_TRANSFER_ERROR, OpenAIError, bad_request_from
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from pagedkv.entrypoints.openai.stream_merge import merge_streams
@@ -207,6 +211,10 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 structured_outputs=self.structured_outputs(request),
+                # A whole answer is made of the last output alone: no per-step ones (vLLM's).
+                output_kind=(
+                    RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY
+                ),
             )
         except ValueError as e:
             raise bad_request_from(e, param_names) from None
