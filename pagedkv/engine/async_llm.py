@@ -27,8 +27,8 @@ from typing import Protocol
 
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, NewRequest, PromptType
-from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.outputs import RequestOutput, merge_deltas
+from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedkv.engine.scheduler_stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -51,14 +51,22 @@ class StatLogger(Protocol):
 class RequestStream:
     """The outputs of one request, pushed by the engine thread into an asyncio queue.
 
-    Iterate it with ``async for``: it yields cumulative RequestOutputs and ends after the
-    final one. Outputs are cumulative, so a slow reader skips to the newest. Leaving the
-    iteration early (break, cancellation, a client that went away) aborts the request, which
-    frees its KV cache blocks.
+    Iterate it with ``async for``: it yields RequestOutputs and ends after the final one. A
+    slow reader gets what piled up as one output: the newest (cumulative outputs hold the
+    older ones), or with ``deltas`` (``RequestOutputKind.DELTA``) all of them merged. Leaving
+    the iteration early (break, cancellation, a client that went away) aborts the request,
+    which frees its KV cache blocks.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        loop: asyncio.AbstractEventLoop,
+        abort: Callable,
+        deltas: bool = False,
+    ) -> None:
         self.request_id = request_id
+        self.deltas = deltas
         self.finished = False
         self._loop = loop
         self._abort = abort
@@ -75,7 +83,9 @@ class RequestStream:
             while not self.finished:
                 item = await self._queue.get()
                 while not isinstance(item, BaseException) and not self._queue.empty():
-                    item = self._queue.get_nowait()
+                    newer = self._queue.get_nowait()
+                    deltas = self.deltas and not isinstance(newer, BaseException)
+                    item = merge_deltas(item, newer) if deltas else newer
                 if isinstance(item, BaseException):
                     self.finished = True
                     raise item
@@ -151,7 +161,8 @@ class AsyncLLM:
             kv_transfer_params=kv_transfer_params,
             max_tokens_must_fit=max_tokens_must_fit,
         )
-        stream = RequestStream(new.request_id, asyncio.get_running_loop(), self.abort)
+        deltas = new.children[0].sampling_params.output_kind is RequestOutputKind.DELTA
+        stream = RequestStream(new.request_id, asyncio.get_running_loop(), self.abort, deltas)
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine is not running: {self._dead}")
@@ -168,8 +179,9 @@ class AsyncLLM:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request, the last one ``finished``. Bad input raises
-        ValueError at the first iteration, before anything reaches the engine."""
+        """The outputs of one request (``params.output_kind``: cumulative by default), the last
+        one ``finished``. Bad input raises ValueError at the first iteration, before anything
+        reaches the engine."""
         stream = self.add_request(
             request_id,
             prompt,

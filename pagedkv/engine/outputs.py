@@ -94,3 +94,41 @@ class RequestOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     error: str | None = None
+
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive ``DELTA`` outputs of one request as one: each sequence's text, tokens,
+    logprobs and prompt logprobs joined; finish, metrics and the rest from ``later``."""
+    merged = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        before = merged.get(c.index)
+        if before is None:
+            merged[c.index] = c
+            continue
+        logprobs = before.logprobs
+        if logprobs is not None and c.logprobs is not None:
+            logprobs = logprobs + c.logprobs
+        merged[c.index] = CompletionOutput(
+            index=c.index,
+            text=before.text + c.text,
+            token_ids=before.token_ids + c.token_ids,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            cumulative_logprob=c.cumulative_logprob,
+        )
+    prompt_logprobs = earlier.prompt_logprobs
+    if later.prompt_logprobs is not None:
+        prompt_logprobs = (prompt_logprobs or []) + later.prompt_logprobs
+    return RequestOutput(
+        request_id=later.request_id,
+        prompt=later.prompt,
+        prompt_token_ids=later.prompt_token_ids,
+        outputs=sorted(merged.values(), key=lambda c: c.index),
+        finished=later.finished,
+        metrics=later.metrics,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=later.num_cached_tokens,
+        kv_transfer_params=later.kv_transfer_params or earlier.kv_transfer_params,
+        error=later.error or earlier.error,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from pagedkv import EngineArgs, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import RequestOutputKind
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from tests.engine.conftest import assert_all_blocks_free
 from tests.tiny_models import random_prompt
@@ -67,6 +69,32 @@ def test_outputs_stream_cumulatively(async_llm) -> None:
     seen = asyncio.run(run())
     assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
     assert len(seen[-1]) == GREEDY.max_tokens
+
+
+def test_a_slow_reader_of_deltas_gets_them_merged_not_dropped(async_llm) -> None:
+    """Deltas that pile up while the reader is busy arrive as one, with nothing lost."""
+    params = dataclasses.replace(GREEDY, n=2, max_tokens=24, output_kind=RequestOutputKind.DELTA)
+    prompt = random_prompt(10, seed=4)
+
+    async def run() -> tuple[list[RequestOutput], RequestOutput]:
+        deltas = []
+        async for output in async_llm.generate(prompt, params):
+            deltas.append(output)
+            await asyncio.sleep(0.05)  # several engine steps
+        full = await collect(
+            async_llm.generate(
+                prompt, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+            )
+        )
+        return deltas, full
+
+    deltas, full = asyncio.run(run())
+    assert len(deltas) < 2 * params.max_tokens  # outputs were merged
+    for completion in full.outputs:
+        pieces = [c for d in deltas for c in d.outputs if c.index == completion.index]
+        assert [t for c in pieces for t in c.token_ids] == completion.token_ids
+        assert "".join(c.text for c in pieces) == completion.text
+        assert [c.finish_reason for c in pieces if c.finish_reason] == ["length"]
 
 
 def test_bad_input_raises_in_the_caller(async_llm) -> None:
