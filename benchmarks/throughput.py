@@ -13,7 +13,9 @@ Also: ``breakdown``, ms per decode step with all 64 requests decoding (GEMM / at
 with the compiled CPU kernels and with ``--enforce-eager``'s torch ops) and the GEMM-only
 floor of those steps; ``floor``, the GEMM-only floor of a whole run (its GEMM shapes replayed
 right after each of our timed runs, so that each pair meets the same machine: the median of the
-pairs' ratios is quoted; ``step_breakdown.py``) against our wall time; ``llamacpp``,
+pairs' ratios is quoted; ``step_breakdown.py``) against our wall time, and the same with the
+run's KV-read floor added (the K/V bytes its attention must read, at the streaming read
+bandwidth measured right after each run); ``llamacpp``,
 llama.cpp through the llamacpp anchor's harness on a GGUF conversion of the same weights
 (``--llamacpp-gguf``; skipped when llama-cpp-python is not installed or no GGUF is given).
 
