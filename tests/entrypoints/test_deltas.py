@@ -1,30 +1,52 @@
-"""What each streamed chunk carries, from the engine's cumulative outputs."""
+"""What each streamed chunk carries: the server's ``deltas`` over a real engine's ``DELTA``
+outputs, against the same requests' whole answers."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 
-from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+import pytest
+
+from pagedkv import EngineArgs, SamplingParams
+from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.engine.sampling_params import RequestOutputKind
 from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
 
 
-def cumulative(steps: list[tuple[str, list[int], str | None]]):
-    async def outputs():
-        for text, token_ids, finish_reason in steps:
-            completion = CompletionOutput(0, text, token_ids, None, finish_reason)
-            yield RequestOutput("r", None, [1], [completion], finish_reason is not None,
-                                RequestMetrics(arrival_time=0.0))  # fmt: skip
-
-    return outputs()
+@pytest.fixture
+def async_llm(tiny_model: Path):
+    llm = AsyncLLM(EngineArgs(model=str(tiny_model), max_num_seqs=16))
+    yield llm
+    llm.shutdown()
 
 
-def test_a_step_whose_text_is_held_back_still_sends_its_tokens() -> None:
-    """Text lags while bytes do not yet form a character or could start a stop string: those
-    steps still stream (empty text, new tokens), as in vLLM, so a client's time to first token
-    is the first token's, not the first visible character's."""
+def test_chunks_join_into_each_choices_whole_answer(async_llm) -> None:
+    """Two prompts with ``n=2`` in one stream (choice ``i * n + j``), with a stop string: each
+    choice's chunks join into its whole answer, a chunk may carry tokens whose text is still
+    held back (as in vLLM, so a client sees each step), and each choice finishes once."""
+    prompts = ["w1 w2", "w7"]
+    # The long stop string holds back up to 13 characters of text: several tokens' worth.
+    whole = SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=14, stop=["w5 w6 w7 w8 w9"])
+    streamed = dataclasses.replace(whole, output_kind=RequestOutputKind.DELTA)
 
-    async def collect():
-        steps = [("", [7], None), ("", [7, 8], None), ("", [7, 8], None), ("é!", [7, 8, 9], "stop")]
-        return [(d.text, d.token_ids) async for d in OpenAIServing.deltas([cumulative(steps)])]
+    async def run():
+        finals = [await last(async_llm.generate(p, whole)) for p in prompts]
+        streams = [async_llm.add_request(None, p, streamed) for p in prompts]
+        return finals, [d async for d in OpenAIServing.deltas(streams, n=2)]
 
-    assert asyncio.run(collect()) == [("", [7]), ("", [8]), ("é!", [9])]
+    async def last(stream):
+        return [output async for output in stream][-1]
+
+    finals, deltas = asyncio.run(run())
+    for i, final in enumerate(finals):
+        for completion in final.outputs:
+            chunks = [d for d in deltas if d.index == i * 2 + completion.index]
+            assert "".join(d.text for d in chunks) == completion.text
+            assert [t for d in chunks for t in d.token_ids] == completion.token_ids
+            assert [d.finish_reason for d in chunks if d.finish_reason] == [
+                completion.finish_reason
+            ]
+    assert all(d.token_ids or d.text or d.finish_reason for d in deltas)
+    assert any(d.token_ids and not d.text for d in deltas)  # text held back, tokens sent

@@ -88,9 +88,10 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):
             delta = DeltaMessage(role="assistant", content="")
             yield self._chunk(request_id, [ChatCompletionStreamChoice(index=index, delta=delta)])
-        final = None
+        final, num_completion_tokens = None, 0
         async for delta in _prepend(first, deltas):
             final = delta.output
+            num_completion_tokens += len(delta.token_ids)
             choice = ChatCompletionStreamChoice(
                 index=delta.index,
                 delta=DeltaMessage(content=delta.text),
@@ -100,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
             )
             yield self._chunk(request_id, [choice])
         if request.include_usage and final is not None:
-            yield self._chunk(request_id, [], usage=self.usage([final]))
+            yield self._chunk(request_id, [], usage=self.usage([final], num_completion_tokens))
 
     def _chunk(
         self, request_id: str, choices: list[ChatCompletionStreamChoice], **kw

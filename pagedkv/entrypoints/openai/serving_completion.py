@@ -68,9 +68,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request_id: str, streams: list[RequestStream], request: CompletionRequest
     ) -> AsyncIterator[CompletionResponse]:
         text_offsets: dict[int, int] = {}
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, RequestOutput] = {}  # the latest output of each prompt
+        num_completion_tokens = 0
         async for delta in self.deltas(streams, request.n):
             finals[delta.output.request_id] = delta.output
+            num_completion_tokens += len(delta.token_ids)
             text_offset = text_offsets.get(delta.index, 0)
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, text_offset)
             if logprobs is not None:
@@ -84,7 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             yield self._chunk(request_id, [choice])
         if request.include_usage and finals:
-            yield self._chunk(request_id, [], usage=self.usage(list(finals.values())))
+            usage = self.usage(list(finals.values()), num_completion_tokens)
+            yield self._chunk(request_id, [], usage=usage)
 
     def _chunk(self, request_id: str, choices: list[CompletionChoice], **kw) -> CompletionResponse:
         return CompletionResponse(

@@ -81,8 +81,8 @@ _STRUCTURED_FIELDS = (
 
 
 class Delta(NamedTuple):
-    """What one streamed chunk adds to choice ``index`` (``completion`` is its cumulative
-    state, ``output`` the request output it came from)."""
+    """What one streamed chunk adds to choice ``index`` (``completion`` and ``output``: the
+    engine's delta it came from)."""
 
     index: int
     text: str
@@ -211,9 +211,10 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens,
                 structured_outputs=self.structured_outputs(request),
-                # A whole answer is made of the last output alone: no per-step ones (vLLM's).
+                # vLLM's: a stream is made of what each step adds, a whole answer of the last
+                # output alone (no per-step copies of everything generated so far).
                 output_kind=(
-                    RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY
+                    RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
                 ),
             )
         except ValueError as e:
@@ -369,42 +370,34 @@ class OpenAIServing:
 
     @staticmethod
     async def deltas(streams: list[RequestStream], n: int = 1) -> AsyncIterator[Delta]:
-        """Turn cumulative outputs into what each chunk adds, per choice (prompt ``i``'s
-        sequence ``j`` is choice ``i * n + j``). Text may lag behind tokens (held back while it
-        could still become a stop string, or until its bytes form a character): a chunk then
-        carries new tokens with empty text, as in vLLM, so a client sees each step (and
-        measures time to first token) when it happens. A choice that gains nothing in an
-        output is skipped (never at its end, which has a finish reason). A request the engine
-        ended with an error raises RequestFailedError."""
-        seen: dict[int, tuple[int, int, bool]] = {}  # choice -> chars, tokens, finished
+        """What each chunk adds, per choice (prompt ``i``'s sequence ``j`` is choice
+        ``i * n + j``), from the engine's ``DELTA`` outputs: each holds the sequences that moved,
+        with only what is new. Text may lag behind tokens (held back while it could still become
+        a stop string, or until its bytes form a character): a chunk then carries new tokens
+        with empty text, as in vLLM, so a client sees each step (and measures time to first
+        token) when it happens. A request the engine ended with an error raises
+        RequestFailedError."""
         async for prompt_index, output in merge_streams(streams):
             for completion in check_failed(output).outputs:
-                index = prompt_index * n + completion.index
-                num_chars, num_tokens, finished = seen.get(index, (0, 0, False))
-                if finished:
-                    continue
-                logprobs = completion.logprobs
-                delta = Delta(
-                    index=index,
-                    text=completion.text[num_chars:],
-                    token_ids=completion.token_ids[num_tokens:],
-                    logprobs=logprobs[num_tokens:] if logprobs is not None else None,
+                yield Delta(
+                    index=prompt_index * n + completion.index,
+                    text=completion.text,
+                    token_ids=completion.token_ids,
+                    logprobs=completion.logprobs,
                     completion=completion,
                     output=output,
                 )
-                seen[index] = (
-                    len(completion.text),
-                    len(completion.token_ids),
-                    completion.finish_reason is not None,
-                )
-                if delta.text or delta.token_ids or delta.finish_reason is not None:
-                    yield delta
 
     @staticmethod
-    def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
-        """Prompt tokens once per prompt, completion tokens over every choice (OpenAI's)."""
+    def usage(
+        outputs: Sequence[RequestOutput], num_completion_tokens: int | None = None
+    ) -> UsageInfo:
+        """Prompt tokens once per prompt (``outputs``: one per prompt), completion tokens over
+        every choice (OpenAI's): those of ``outputs``, or ``num_completion_tokens`` when the
+        outputs were deltas."""
         num_prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        num_completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        if num_completion_tokens is None:
+            num_completion_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
