@@ -24,15 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedkv.model.tuning import first_is_faster
+from pagedkv.model.tuning import TUNE_ROWS, first_is_faster
 
 if TYPE_CHECKING:
     from pagedkv.model.linear import Linear
 
 logger = logging.getLogger(__name__)
-
-#: Rows of the batch each weight shape is timed with (a mid-size decode batch).
-TUNE_ROWS = 32
 
 
 def onednn_available() -> bool:

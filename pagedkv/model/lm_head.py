@@ -6,10 +6,8 @@ import torch
 
 from pagedkv.model.cpu_onednn import packed_matmul
 from pagedkv.model.linear import Linear
-from pagedkv.model.tuning import first_is_faster
+from pagedkv.model.tuning import TUNE_ROWS, first_is_faster
 
-#: Rows of the batch the two layouts are timed with (a mid-size decode batch).
-TUNE_ROWS = 32
 #: At most this many weights take part in the timing (64 MB of fp32): enough that they stream
 #: from memory as the whole head does, bounded for large vocabularies.
 TUNE_MAX_WEIGHTS = 1 << 24

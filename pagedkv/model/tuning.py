@@ -8,6 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+#: Rows of the batch that batched products are timed with (a mid-size decode batch).
+TUNE_ROWS = 32
+
 
 def first_is_faster(
     first: Callable[[], object], second: Callable[[], object], repeats: int
