@@ -73,9 +73,12 @@ class LLMEngine:
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.model_runner.max_model_len
-        self.eos_token_id = self.model_runner.eos_token_id
+        generation_defaults = self.model_runner.generation_defaults
+        self.eos_token_id = generation_defaults.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        #: Every EOS id: each request's stop ids get them (``update_from_generation_config``).
+        self.eos_token_ids = generation_defaults.eos_token_ids
 
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -291,10 +294,12 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for index in range(params.n):
-            child_params = params
+            changes = {}
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                changes = dict(n=1, seed=None if params.seed is None else params.seed + index)
+            # Each request's own copy: the EOS ids join its stop ids, not the caller's params.
+            child_params = dataclasses.replace(params, **changes)
+            child_params.update_from_generation_config(self.eos_token_ids, self.eos_token_id)
             grammar = None
             if params.structured_outputs is not None:
                 grammar = self.structured_outputs.grammar_for(params.structured_outputs)
