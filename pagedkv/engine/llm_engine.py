@@ -30,7 +30,7 @@ from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-from pagedkv.model.hf_config import tokenizer_routing_config
+from pagedkv.model.tokenizer import load_hf_tokenizer
 from pagedkv.structured_output.manager import StructuredOutputManager
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
@@ -55,10 +55,8 @@ IDLE_WAIT_S = 0.005
 
 def load_tokenizer(path):
     """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path, config=tokenizer_routing_config(path))
+        return load_hf_tokenizer(path)
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s): only token-id prompts will work", path, e)
         return None
