@@ -30,7 +30,7 @@ from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
 from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-from pagedkv.model.hf_config import tokenizer_routing_config
+from pagedkv.model.tokenizer import load_hf_tokenizer
 from pagedkv.structured_output.manager import StructuredOutputManager
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
@@ -55,10 +55,8 @@ IDLE_WAIT_S = 0.005
 
 def load_tokenizer(path):
     """The model's tokenizer, or None when the directory has none (token-id prompts only)."""
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path, config=tokenizer_routing_config(path))
+        return load_hf_tokenizer(path)
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer in %s (%s): only token-id prompts will work", path, e)
         return None
@@ -73,9 +71,12 @@ class LLMEngine:
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.model_runner.max_model_len
-        self.eos_token_id = self.model_runner.eos_token_id
+        generation_defaults = self.model_runner.generation_defaults
+        self.eos_token_id = generation_defaults.eos_token_id
         if self.eos_token_id is None and self.tokenizer is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
+        #: Every EOS id: each request's stop ids get them (``update_from_generation_config``).
+        self.eos_token_ids = generation_defaults.eos_token_ids
 
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -291,10 +292,12 @@ class LLMEngine:
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for index in range(params.n):
-            child_params = params
+            changes = {}
             if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = dataclasses.replace(params, n=1, seed=seed)
+                changes = dict(n=1, seed=None if params.seed is None else params.seed + index)
+            # Each request's own copy: the EOS ids join its stop ids, not the caller's params.
+            child_params = dataclasses.replace(params, **changes)
+            child_params.update_from_generation_config(self.eos_token_ids, self.eos_token_id)
             grammar = None
             if params.structured_outputs is not None:
                 grammar = self.structured_outputs.grammar_for(params.structured_outputs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -126,6 +127,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: vLLM's: what ``min_tokens`` keeps from being sampled, the stop token ids and (once
+    #: ``update_from_generation_config`` ran) every EOS id, whatever ``ignore_eos`` says.
+    all_stop_token_ids: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +139,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self._validate()
+        self.all_stop_token_ids = frozenset(self.stop_token_ids)
         for name in _FLOAT_FIELDS:  # an integer temperature must not make an int64 tensor
             setattr(self, name, float(getattr(self, name)))
 
@@ -186,6 +191,27 @@ class SamplingParams:
             fail("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail("output_kind", "must be a RequestOutputKind")
+
+    def update_from_generation_config(
+        self, eos_token_ids: Sequence[int], eos_token_id: int | None
+    ) -> None:
+        """Fold the checkpoint's EOS ids into this request's stop ids, as vLLM's method of
+        this name does. The engine calls it on each request's own copy.
+
+        - ``eos_token_id``, the primary EOS, ends the request unless ``ignore_eos``; the
+          scheduler checks it on its own, so it does not join ``stop_token_ids``.
+        - The generation config's other EOS ids (its ``eos_token_id`` may be a list) join
+          ``stop_token_ids`` unless ``ignore_eos``: they end the request with ``stop_reason``
+          set to the id; under ``ignore_eos`` they do not end it.
+        - ``min_tokens`` masks ``all_stop_token_ids``: the stop token ids and every EOS id,
+          primary and extra, even under ``ignore_eos`` (transformers' ``min_new_tokens``
+          masks every EOS id too).
+        """
+        extra = [t for t in dict.fromkeys(eos_token_ids) if t != eos_token_id]
+        primary = () if eos_token_id is None else (eos_token_id,)
+        self.all_stop_token_ids = self.all_stop_token_ids.union(primary, extra)
+        if extra and not self.ignore_eos:
+            self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *extra]))
 
     @property
     def is_greedy(self) -> bool:

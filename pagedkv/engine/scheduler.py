@@ -346,8 +346,9 @@ class Scheduler:
         )
 
     def _check_stop(self, request: Request) -> None:
-        """EOS and stop token ids end a request (the sampler masks them until ``min_tokens``);
-        so do ``max_tokens`` and the context length."""
+        """EOS (unless ``ignore_eos``) and stop token ids, the generation config's other EOS ids
+        among them, end a request (the sampler masks them until ``min_tokens``); so do
+        ``max_tokens`` and the context length."""
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if last == request.eos_token_id and not params.ignore_eos:

@@ -110,6 +110,18 @@ def _bench_serve(args: argparse.Namespace) -> None:
     run_bench_serve(args)
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser (``pagedkv serve``, ``pagedkv bench``, ...). An argument it does not
+    know is its own error, printed under its own usage: argparse would hand the argument up
+    to ``pagedkv``'s parser, whose usage (``pagedkv [-h] COMMAND ...``) names no command."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _add_command(
     subparsers,
     name: str,
@@ -141,7 +153,9 @@ def make_parser() -> argparse.ArgumentParser:
         prog="pagedkv",
         description="pagedkv: a paged-KV-cache LLM inference engine (vLLM V1 style).",
     )
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        title="commands", metavar="COMMAND", required=True, parser_class=_CommandParser
+    )
     _add_command(
         commands,
         "generate",
@@ -171,7 +185,9 @@ def make_parser() -> argparse.ArgumentParser:
         help="Benchmarks: offline throughput, or load against a running server.",
         description="Benchmarks: offline throughput, or load against a running server.",
     )
-    benches = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    benches = bench.add_subparsers(
+        title="benchmarks", metavar="BENCHMARK", required=True, parser_class=_CommandParser
+    )
     _add_command(
         benches,
         "throughput",

@@ -20,25 +20,28 @@ _SAMPLING_KEYS = {
 
 @dataclass(frozen=True)
 class GenerationDefaults:
+    #: The primary EOS: the first of the checkpoint's EOS ids.
     eos_token_id: int | None = None
+    #: Every EOS id the checkpoint lists (``eos_token_id`` may be a list), the primary first.
+    eos_token_ids: tuple[int, ...] = ()
     #: SamplingParams fields the checkpoint recommends: what a request that does not set them
     #: samples with (vLLM's ``--generation-config auto``). Empty under ``vllm``.
     sampling: dict[str, float | int] = field(default_factory=dict)
 
     @classmethod
     def from_model_dir(cls, model_path: Path, source: str = "auto") -> GenerationDefaults:
-        """EOS from ``generation_config.json`` (what ``transformers.generate`` uses), falling
-        back to ``config.json``; the first id stands for a list of EOS ids. Sampling defaults
+        """EOS ids from ``generation_config.json`` (what ``transformers.generate`` uses),
+        falling back to ``config.json``; the first is the primary one. Sampling defaults
         from the model directory (``auto``), from a directory's ``generation_config.json``
         (a path), or none (``vllm``: vLLM's own defaults). As in vLLM, the sampling keys
         apply whether or not the file sets ``do_sample``."""
         config = json.loads((model_path / "config.json").read_text())
         gen = _read(model_path / "generation_config.json")
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_kwargs = dict(eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids)
         if source == "vllm":
-            return cls(eos_token_id=eos)
+            return cls(**eos_kwargs)
         if source != "auto":
             path = Path(source)
             if not (path / "generation_config.json").is_file():
@@ -52,7 +55,7 @@ class GenerationDefaults:
             for key, name in _SAMPLING_KEYS.items()
             if isinstance(gen.get(key), int | float) and not isinstance(gen.get(key), bool)
         }
-        return cls(eos_token_id=eos, sampling=sampling)
+        return cls(**eos_kwargs, sampling=sampling)
 
 
 def _read(path: Path) -> dict:

@@ -101,7 +101,6 @@ class ModelRunner:
         self.generation_defaults = GenerationDefaults.from_model_dir(
             model_path, args.generation_config
         )
-        self.eos_token_id = self.generation_defaults.eos_token_id
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
         self.attn_backend.check_device(self.device)
@@ -407,17 +406,13 @@ class ModelRunner:
     def _mask_stop_tokens_before_min_tokens(
         self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> None:
-        """Until a request has ``min_tokens`` outputs, EOS and its stop token ids can't be
-        sampled (so the stop check after sampling needs no min_tokens case)."""
+        """Until a request has ``min_tokens`` outputs, none of its stop ids (every EOS id
+        included, even under ``ignore_eos``) can be sampled, so the stop check after sampling
+        needs no min_tokens case."""
         for i, state in enumerate(states):
             params = state.sampling_params
-            if len(self._token_ids(state)[1]) >= params.min_tokens:
-                continue
-            banned = list(params.stop_token_ids)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                banned.append(self.eos_token_id)
-            if banned:
-                logits[i, banned] = float("-inf")
+            if params.all_stop_token_ids and len(self._token_ids(state)[1]) < params.min_tokens:
+                logits[i, list(params.all_stop_token_ids)] = float("-inf")
 
     def _prompt_logprobs(
         self,

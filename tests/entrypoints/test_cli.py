@@ -386,6 +386,29 @@ def test_serve_port_must_be_a_port(port: str, capsys: pytest.CaptureFixture) -> 
     assert "argument --port: must be a port number in [0, 65535]" in capsys.readouterr().err
 
 
+#: Each command, its required arguments given, with ``{}`` where the unknown one goes.
+VALID_BUT_FOR = {
+    "generate": ["generate", "w1", "{}"],
+    "serve": ["serve", "{}"],
+    "proxy": ["proxy", "{}"],
+    "bench": ["bench", "{}", "throughput"],
+    "bench throughput": ["bench", "throughput", "{}"],
+    "bench serve": ["bench", "serve", "{}"],
+}
+
+
+@pytest.mark.parametrize("command", list(VALID_BUT_FOR))
+@pytest.mark.parametrize("bad", ["--bogus", "--max-tokenz=5"])
+def test_an_unknown_argument_shows_the_commands_usage(command: str, bad: str) -> None:
+    """argparse hands a command's unknown arguments up to ``pagedkv``'s parser, which printed
+    its own usage (``pagedkv [-h] COMMAND ...``) instead of the command's."""
+    result = run_pagedkv(*[a.format(bad) for a in VALID_BUT_FOR[command]], timeout=60)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"usage: pagedkv {command} [-h]"), result.stderr
+    assert lines[-1] == f"pagedkv {command}: error: unrecognized arguments: {bad}", result.stderr
+
+
 def test_serve_on_a_busy_port_fails_before_loading_the_model(tiny_model: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -240,3 +240,31 @@ def test_server_still_serves_after_the_errors(server: Server) -> None:
     metrics = server.metrics()
     assert metrics["pagedkv:num_requests_running"] == 0
     assert metrics["pagedkv:kv_cache_usage_perc"] == 0
+
+
+#: What transformers logs once per tokenizer when a text encodes past its model_max_length.
+TOKENIZER_LENGTH_WARNING = "Token indices sequence length is longer than"
+
+
+def test_over_long_prompt_is_400_without_the_tokenizers_length_warning(builtin_server) -> None:
+    """The engine refuses a prompt longer than max_model_len itself: the log must not also
+    carry transformers' warning that the sequence "will result in indexing errors". The
+    built-in model's tokenizer says model_max_length 256, as real checkpoints' do."""
+    from transformers import AutoTokenizer
+
+    from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+
+    prompt = "hello " * 300
+    plain = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    assert len(plain(prompt, verbose=False)["input_ids"]) > plain.model_max_length == 256
+    for create in (
+        lambda c: c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1),
+        lambda c: c.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=1
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(builtin_server.client())
+        assert "max_model_len" in info.value.body["message"], info.value.body
+    builtin_server.assert_alive()
+    assert TOKENIZER_LENGTH_WARNING not in builtin_server.log_path.read_text()

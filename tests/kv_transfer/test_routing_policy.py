@@ -4,6 +4,7 @@ the prompts are tokenized and hashed by the proxy's real tokenizer path."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 
@@ -140,6 +141,23 @@ def test_the_proxy_tokenizes_as_the_server_does(tokenizer) -> None:
     assert tokenizer.token_ids("/v1/chat/completions", {"messages": "hi"}) is None
     with pytest.raises(ValueError, match="--tokenizer"):
         PromptTokenizer("/nonexistent/tokenizer")
+
+
+def test_the_proxy_tokenizer_logs_no_length_warning(caplog) -> None:
+    """The instance refuses an over-long prompt; the proxy's tokenizer must not log
+    transformers' "Token indices sequence length is longer than ..." on the way (the
+    built-in model's tokenizer says model_max_length 256, as real checkpoints' do)."""
+    from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
+
+    tokenizer = PromptTokenizer(DEFAULT_MODEL_PATH)
+    transformers_logger = logging.getLogger("transformers")  # it does not propagate
+    transformers_logger.addHandler(caplog.handler)
+    try:
+        ids = tokenizer.token_ids("/v1/completions", {"prompt": "hi " * 300})
+    finally:
+        transformers_logger.removeHandler(caplog.handler)
+    assert ids is not None and len(ids) > 256
+    assert "Token indices sequence length" not in caplog.text
 
 
 def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> None:

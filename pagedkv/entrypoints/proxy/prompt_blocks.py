@@ -23,19 +23,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedkv.kv_cache.block_hash import BlockHash, BlockHasher
-from pagedkv.model.hf_config import tokenizer_routing_config
+from pagedkv.model.tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class PromptTokenizer:
     def __init__(self, tokenizer_path: str | Path) -> None:
-        from transformers import AutoTokenizer
-
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                str(tokenizer_path), config=tokenizer_routing_config(tokenizer_path)
-            )
+            self.tokenizer = load_hf_tokenizer(tokenizer_path)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer there: {e}") from None
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
