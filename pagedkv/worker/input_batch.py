@@ -25,6 +25,9 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    #: Prompt positions whose logprobs were computed: a request preempted and computed again
+    #: from its first token must not send them twice.
+    num_prompt_logprobs_computed: int = 0
     #: Greedy, with nothing else that acts on its logits or its output (penalties, logprobs,
     #: prompt logprobs, min_tokens, a grammar): a step whose sampled rows are all plain samples
     #: them by one argmax, with no per-row work.

@@ -212,8 +212,10 @@ class ModelRunner:
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             resumed = self.requests.get(new.req_id)
+            num_prompt_logprobs_computed = 0
             if resumed is not None:  # back from preemption: keep drawing from the same stream
                 generator = resumed.generator
+                num_prompt_logprobs_computed = resumed.num_prompt_logprobs_computed
             elif params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             else:
@@ -223,6 +225,7 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens,
                 sampling_params=params,
                 generator=generator,
+                num_prompt_logprobs_computed=num_prompt_logprobs_computed,
             )
             self.requests[new.req_id] = state
             batch.add_request(state, new.token_ids, new.num_computed_tokens, new.block_ids)
@@ -423,7 +426,8 @@ class ModelRunner:
         query_start_loc: np.ndarray,
         hidden_states: torch.Tensor,
     ) -> dict[str, list[Logprobs]]:
-        """Logprob of prompt token ``p + 1`` for each prompt position ``p`` computed this step."""
+        """Logprob of prompt token ``p + 1`` for each prompt position ``p`` computed this step,
+        unless computed before (a preempted request computes its prompt again)."""
         out: dict[str, list[Logprobs]] = {}
         batch = self.input_batch
         if batch.plain[rows].all():  # plain requests ask for no prompt logprobs
@@ -431,11 +435,13 @@ class ModelRunner:
         for i, req_id in enumerate(req_ids):
             state = batch.states[rows[i]]
             k = state.sampling_params.prompt_logprobs
-            start = int(num_computed[i])
-            end = min(start + int(counts[i]), state.num_prompt_tokens - 1)
+            computed = int(num_computed[i])
+            start = max(computed, state.num_prompt_logprobs_computed)
+            end = min(computed + int(counts[i]), state.num_prompt_tokens - 1)
             if k is None or start >= end:
                 continue
-            first = int(query_start_loc[i])
+            state.num_prompt_logprobs_computed = end
+            first = int(query_start_loc[i]) + start - computed
             logits = self.model.compute_logits(hidden_states[first : first + end - start])
             targets = torch.from_numpy(batch.token_ids_cpu[rows[i], start + 1 : end + 1])
             out[req_id] = _to_logprobs(compute_prompt_logprobs(logits, targets.to(self.device), k))

@@ -61,3 +61,24 @@ def test_a_preemption_storm_completes_every_request_exactly(make_llm, arch, num_
     assert all(done[i].outputs[0].finish_reason == "length" for i in ids)
     assert engine.get_stats().num_preemptions >= 5  # deterministic: 15 (llama), 8 (hybrid)
     # make_llm checks afterwards: integrity, and every block back in the free queue.
+
+
+def test_prompt_logprobs_come_once_per_position_across_preemption(make_llm) -> None:
+    """A request preempted computes its prompt again: its prompt logprobs still come once per
+    position (echo's logprobs are built from them), equal to those of a roomy pool."""
+    prompts = [random_prompt(30, seed=900 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, prompt_logprobs=2)
+    expected = make_llm("llama").generate(prompts, params, use_tqdm=False)
+    tight = make_llm(
+        "llama", num_gpu_blocks_override=14, max_num_batched_tokens=20, max_model_len=128
+    )
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.get_stats().num_preemptions > 0
+    for out, ref in zip(outputs, expected):
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == 30
+        assert out.prompt_logprobs[0] is None
+        for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert got.keys() == want.keys()
+            for token, logprob in want.items():
+                assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
+                assert got[token].rank == logprob.rank

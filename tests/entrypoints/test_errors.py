@@ -90,7 +90,7 @@ BAD_REQUESTS = {
         "stop_token_ids",
     ),
     "logprobs above 20": ("completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
-    "echo unsupported": ("completions", {"prompt": "w1", "echo": True}, "echo"),
+    "suffix unsupported": ("completions", {"prompt": "w1", "suffix": "w2"}, "suffix"),
     "no messages": ("chat/completions", {"messages": []}, "messages"),
     "message without role": ("chat/completions", {"messages": [{"content": "w1"}]}, "messages"),
     "top_logprobs without logprobs": (

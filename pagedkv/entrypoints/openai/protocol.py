@@ -225,12 +225,13 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogProbs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per token (an echoed prompt's
+    first, whose logprob and top_logprobs are null: it has no context)."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):

@@ -82,7 +82,8 @@ _STRUCTURED_FIELDS = (
 
 class Delta(NamedTuple):
     """What one streamed chunk adds to choice ``index`` (``completion`` and ``output``: the
-    engine's delta it came from)."""
+    engine's delta it came from; ``prompt_logprobs``: those of the choice's prompt received so
+    far, when asked for)."""
 
     index: int
     text: str
@@ -90,6 +91,7 @@ class Delta(NamedTuple):
     logprobs: list[PositionLogprobs] | None
     completion: CompletionOutput
     output: RequestOutput
+    prompt_logprobs: list[PositionLogprobs | None] | None
 
     @property
     def finish_reason(self) -> str | None:
@@ -377,7 +379,10 @@ class OpenAIServing:
         with empty text, as in vLLM, so a client sees each step (and measures time to first
         token) when it happens. A request the engine ended with an error raises
         RequestFailedError."""
+        prompt_logprobs: dict[int, list[PositionLogprobs | None]] = {}
         async for prompt_index, output in merge_streams(streams):
+            if output.prompt_logprobs is not None:  # may come over several prefill chunks
+                prompt_logprobs.setdefault(prompt_index, []).extend(output.prompt_logprobs)
             for completion in check_failed(output).outputs:
                 yield Delta(
                     index=prompt_index * n + completion.index,
@@ -386,6 +391,7 @@ class OpenAIServing:
                     logprobs=completion.logprobs,
                     completion=completion,
                     output=output,
+                    prompt_logprobs=prompt_logprobs.get(prompt_index),
                 )
 
     @staticmethod
