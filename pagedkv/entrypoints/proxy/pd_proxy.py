@@ -29,11 +29,12 @@ of D's answer reaches the client, a failed P or D costs only a retry with a fres
 
 An instance that refused the connection is dropped from the registry until its next heartbeat.
 After the first byte, a failure ends the stream with an error event. Nobody left to answer, or
-every attempt failed: 503 saying why. The answer carries ``x-pagedkv-instance`` (who answered),
-``x-pagedkv-prefill-instance`` (its P, if any) and, under ``kv_aware`` routing,
-``x-pagedkv-predicted-hit-tokens`` (the prompt tokens the index said it had cached). A 4xx
-from either side is the client's error and is returned as is (the other half is cancelled). An
-attempt cancelled midway cancels both halves.
+every attempt failed: a 503 naming each failed attempt, then each registered instance not
+used, with why (no peer of its model and KV layout, each such peer failed). The answer
+carries ``x-pagedkv-instance`` (who answered), ``x-pagedkv-prefill-instance`` (its P, if any)
+and, under ``kv_aware`` routing, ``x-pagedkv-predicted-hit-tokens`` (the prompt tokens the
+index said it had cached). A 4xx from either side is the client's error and is returned as is
+(the other half is cancelled). An attempt cancelled midway cancels both halves.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class PDProxy:
             "no prefill/decode instance pair is available" if pd else "no instance is available"
         )
         if reasons:
-            message = f"{message}: every attempt failed ({'; '.join(reasons)})"
+            message = f"{message}: every attempt failed ({'; '.join(reasons)});"
         else:
-            message = f"{message}: {self.router.why_no_pair(failed)}"
+            message = f"{message}:"
+        message = f"{message} {self.router.why_no_pair(failed)}"
         raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def _attempt(
