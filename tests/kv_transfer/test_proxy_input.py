@@ -192,28 +192,23 @@ def test_a_decode_request_that_cannot_be_built_is_not_left_in_flight():
     assert dict(router.in_flight) == {}
 
 
-def test_models_answers_from_the_first_decode_that_replies(proxy_with):
+def test_models_answers_from_the_first_instance_that_replies(proxy_with):
     """A hung D (asked first) does not hold /v1/models for the request timeout (30 s here,
-    600 s by default): once, each D was asked in turn, each for the whole request timeout."""
-    client, _ = proxy_with(
-        {
-            "p": ("kv_producer", "ok"),
-            "d-hung": ("kv_consumer", "hang"),
-            "d-ok": ("kv_consumer", "ok"),
-        }
-    )
+    600 s by default): once, each D was asked in turn, each for the whole request timeout.
+    Any role answers: here the P, since the only other D hangs."""
+    client, _ = proxy_with({"d-hung": ("kv_consumer", "hang"), "p-ok": ("kv_producer", "ok")})
     t0 = time.monotonic()
     r = client.get("/v1/models")
-    assert r.status_code == 200 and r.json()["data"][0]["id"] == "model-of-d-ok"
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "model-of-p-ok"
     assert time.monotonic() - t0 < 5
 
 
-def test_models_is_a_503_when_no_decode_replies(proxy_with):
-    client, _ = proxy_with({"p": ("kv_producer", "ok"), "d-hung": ("kv_consumer", "hang")})
+def test_models_is_a_503_when_no_instance_replies(proxy_with):
+    client, _ = proxy_with({"p-hung": ("kv_producer", "hang"), "d-hung": ("kv_consumer", "hang")})
     t0 = time.monotonic()
     r = client.get("/v1/models")
     assert r.status_code == 503, r.text
     error = r.json()["error"]
-    assert "no decode instance answered /v1/models (each given 1 s)" in error["message"]
+    assert "no instance answered /v1/models (each given 1 s)" in error["message"]
     assert error["type"] == "ServiceUnavailableError"
     assert time.monotonic() - t0 < 5  # the connect timeout (1 s), not the request timeout

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory and the ``pagedkv serve`` runner.
 
-    /v1/completions, /v1/chat/completions, /v1/models   (``--api-key``: Bearer token required)
+    /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}
+                                                         (``--api-key``: Bearer token required)
     /health, /ping, /metrics, /version                   (open, as in vLLM)
     /tokenize, /detokenize                               (open, as in vLLM; vLLM's shapes)
 
@@ -30,7 +31,7 @@ from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
-from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.openai.errors import OpenAIError, model_not_found
 from pagedkv.entrypoints.openai.metrics import KVTransferCollector, PrometheusStatLogger
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -88,14 +89,21 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
 
+    card = ModelCard(
+        id=served_model_name,
+        root=str(async_llm.llm_engine.args.model_path),
+        max_model_len=async_llm.max_model_len,
+    )
+
     @v1.get("/models")
     async def list_models() -> ModelList:
-        card = ModelCard(
-            id=served_model_name,
-            root=str(async_llm.llm_engine.args.model_path),
-            max_model_len=async_llm.max_model_len,
-        )
         return ModelList(data=[card])
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id != served_model_name:
+            raise model_not_found(model_id, served_model_name)
+        return card
 
     @v1.post("/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:

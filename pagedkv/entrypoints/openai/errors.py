@@ -55,6 +55,16 @@ class OpenAIError(Exception):
         return JSONResponse(self.to_response().model_dump(), status_code=int(self.status))
 
 
+def model_not_found(model: str, served_model_name: str) -> OpenAIError:
+    """An unknown model: a 404 ``model_not_found``, as OpenAI and vLLM answer."""
+    return OpenAIError(
+        f"The model `{model}` does not exist (this server serves `{served_model_name}`).",
+        param="model",
+        status=HTTPStatus.NOT_FOUND,
+        code="model_not_found",
+    )
+
+
 def bad_request_from(error: ValueError, param_names: dict[str, str]) -> OpenAIError:
     """A 400 for an engine ValueError.
 

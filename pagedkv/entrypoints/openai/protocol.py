@@ -1,7 +1,8 @@
 """OpenAI API request and response bodies (pydantic), with vLLM's extensions.
 
-Requests ignore unknown fields, as OpenAI does. Values are checked for type here and for range by
-SamplingParams, whose ValueErrors become 400 responses naming the field.
+Requests ignore unknown fields, as OpenAI does, naming them in a WARNING (``OpenAIBaseModel``).
+Values are checked for type here and for range by SamplingParams, whose ValueErrors become 400
+responses naming the field.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
+
+from pagedkv.entrypoints.openai.request_base import OpenAIBaseModel
 
 # ---------------------------------------------------------------------------- requests
 
@@ -86,7 +89,7 @@ class StructuredOutputsRequest(BaseModel):
     model_config = {"populate_by_name": True}
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions. ``None`` = the default."""
 
     model: str | None = None

@@ -42,7 +42,12 @@ from pagedkv.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from pagedkv.entrypoints.openai.errors import KV_TRANSFER_ERROR, OpenAIError, bad_request_from
+from pagedkv.entrypoints.openai.errors import (
+    KV_TRANSFER_ERROR,
+    OpenAIError,
+    bad_request_from,
+    model_not_found,
+)
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from pagedkv.entrypoints.openai.stream_merge import merge_streams
 
@@ -152,16 +157,9 @@ class OpenAIServing:
         return f"{prefix}-{raw_request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
 
     def check_model(self, request: BaseModel) -> None:
-        """An unknown model is a 404 ``model_not_found``, as OpenAI and vLLM answer."""
         model = getattr(request, "model", None)
         if model is not None and model != self.served_model_name:
-            raise OpenAIError(
-                f"The model `{model}` does not exist "
-                f"(this server serves `{self.served_model_name}`).",
-                param="model",
-                status=HTTPStatus.NOT_FOUND,
-                code="model_not_found",
-            )
+            raise model_not_found(model, self.served_model_name)
 
     @staticmethod
     def check_unsupported(request: BaseModel, names: tuple[str, ...]) -> None:

@@ -1,7 +1,8 @@
 """``pagedkv proxy``: the OpenAI-compatible front end of replicas and P/D pairs (``PDProxy``
-does the routing and retrying), its ``/instances``, ``/health`` and ``/metrics``, and the
-process that runs it (drained on SIGTERM). Under ``kv_aware`` routing it follows every
-instance's KV events (``KVEventSubscriber``) into the ``KVIndex`` the router reads."""
+does the routing and retrying; ``/v1/models`` and ``/v1/models/{id}`` are any instance's
+answer), its ``/instances``, ``/health``, ``/version`` and ``/metrics``, and the process that
+runs it (drained on SIGTERM). Under ``kv_aware`` routing it follows every instance's KV events
+(``KVEventSubscriber``) into the ``KVIndex`` the router reads."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import os
 import secrets
 from http import HTTPStatus
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -17,10 +19,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pagedkv
 from pagedkv.entrypoints import KEEP_ALIVE_S
 from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.openai.protocol import VersionResponse
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.metrics import ProxyMetrics
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
@@ -104,7 +108,11 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
 
     @api.get("/v1/models")
     async def models() -> Response:
-        return await proxy.models()
+        return await proxy.ask_any("/v1/models")
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await proxy.ask_any(f"/v1/models/{quote(model_id, safe='')}")
 
     @api.get("/instances")
     async def instances() -> JSONResponse:
@@ -144,6 +152,10 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
                 "decode": sum(i.is_decode for i in live),
             }
         )
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedkv.__version__)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -29,11 +29,12 @@ of D's answer reaches the client, a failed P or D costs only a retry with a fres
 
 An instance that refused the connection is dropped from the registry until its next heartbeat.
 After the first byte, a failure ends the stream with an error event. Nobody left to answer, or
-every attempt failed: 503 saying why. The answer carries ``x-pagedkv-instance`` (who answered),
-``x-pagedkv-prefill-instance`` (its P, if any) and, under ``kv_aware`` routing,
-``x-pagedkv-predicted-hit-tokens`` (the prompt tokens the index said it had cached). A 4xx
-from either side is the client's error and is returned as is (the other half is cancelled). An
-attempt cancelled midway cancels both halves.
+every attempt failed: a 503 naming each failed attempt, then each registered instance not
+used, with why (no peer of its model and KV layout, each such peer failed). The answer
+carries ``x-pagedkv-instance`` (who answered), ``x-pagedkv-prefill-instance`` (its P, if any)
+and, under ``kv_aware`` routing, ``x-pagedkv-predicted-hit-tokens`` (the prompt tokens the
+index said it had cached). A 4xx from either side is the client's error and is returned as is
+(the other half is cancelled). An attempt cancelled midway cancels both halves.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class PDProxy:
             "no prefill/decode instance pair is available" if pd else "no instance is available"
         )
         if reasons:
-            message = f"{message}: every attempt failed ({'; '.join(reasons)})"
+            message = f"{message}: every attempt failed ({'; '.join(reasons)});"
         else:
-            message = f"{message}: {self.router.why_no_pair(failed)}"
+            message = f"{message}:"
+        message = f"{message} {self.router.why_no_pair(failed)}"
         raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def _attempt(
@@ -236,39 +238,45 @@ class PDProxy:
             await d_task.result().response.aclose()
             self.router.release(d)
 
-    async def models(self) -> Response:
-        """The first decode instance's answer. All are asked at once, each for at most the
-        connect timeout: a hung D must not hold up the endpoint for the request timeout."""
+    async def ask_any(self, path: str) -> Response:
+        """``GET path`` (``/v1/models``, ``/v1/models/{id}``) of any live instance, of any role:
+        the first 200, else the first other non-5xx answer (a 404 for a model it does not
+        serve). All are asked at once, each for at most the connect timeout: a hung instance
+        must not hold up the endpoint for the request timeout."""
         client = self.upstream.client
         assert client is not None
         timeout = self.config.connect_timeout_s
 
-        async def ask(d: Instance) -> Response | None:
-            url = d.info.http_url + "/v1/models"
+        async def ask(instance: Instance) -> httpx.Response | None:
+            url = instance.info.http_url + path
+            headers = self.upstream.headers(uuid.uuid4().hex)
             try:
-                r = await client.get(
-                    url, headers=self.upstream.headers(uuid.uuid4().hex), timeout=timeout
-                )
+                return await client.get(url, headers=headers, timeout=timeout)
             except httpx.HTTPError as e:
-                logger.warning("decode %s: /v1/models: %s: %s", d.engine_id, type(e).__name__, e)
+                logger.warning("%s: %s: %s: %s", instance.engine_id, path, type(e).__name__, e)
                 return None
-            if r.status_code != 200:
-                return None
-            return Response(r.content, 200, media_type="application/json")
 
-        decoders = [i for i in self.registry.live() if i.is_decode]
-        asks = [asyncio.create_task(ask(d)) for d in decoders]
+        instances = self.registry.live()
+        asks = [asyncio.create_task(ask(i)) for i in instances]
+        refusal: httpx.Response | None = None
         try:
             for answered in asyncio.as_completed(asks):
-                if (answer := await answered) is not None:
-                    return answer
+                answer = await answered
+                if answer is None or answer.status_code >= 500:
+                    continue
+                if answer.status_code == 200:
+                    return Response(answer.content, 200, media_type="application/json")
+                refusal = refusal or answer
         finally:
             for task in asks:
                 task.cancel()
             await asyncio.gather(*asks, return_exceptions=True)
-        message = "no decode instance is available"
-        if decoders:
-            message = f"no decode instance answered /v1/models (each given {timeout:g} s)"
+        if refusal is not None:
+            media_type = refusal.headers.get("content-type")
+            return Response(refusal.content, refusal.status_code, media_type=media_type)
+        message = "no instance is registered"
+        if instances:
+            message = f"no instance answered {path} (each given {timeout:g} s)"
         raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
 

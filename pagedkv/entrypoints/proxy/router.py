@@ -15,7 +15,8 @@ answering instance is chosen first, then its P:
 
 Conditional disaggregation (``disagg_threshold`` N > 0): a D that lacks fewer than N prompt
 tokens prefills them itself, with no P. Instances that already failed this request are
-skipped, so a retry lands elsewhere. When nothing is left, ``why_no_pair`` says why;
+skipped, so a retry lands elsewhere. When nothing is left, ``why_no_pair`` says why, instance
+by instance;
 ``pairing_note`` says it of one instance (shown in ``/instances`` and told at registration).
 """
 
@@ -211,22 +212,38 @@ class Router:
         )
 
     def why_no_pair(self, exclude: Collection[str] = frozenset()) -> str:
-        """Why ``route(exclude=exclude)`` found nothing, for the 503."""
-        live = self.registry.live()
-        decoders = [i for i in live if i.is_decode]
-        prefillers = [i for i in live if i.is_prefill]
-        if not decoders or not prefillers:
-            return (
-                f"{len(prefillers)} prefill, {len(decoders)} decode and "
-                f"{sum(i.is_replica for i in live)} replica instances are registered"
-            )
-        usable = [i for i in live if i.engine_id not in exclude]
-        if exclude and len(usable) < len(live):
-            failed = ", ".join(sorted(exclude))
-            if not any(i.is_decode for i in usable) or not any(i.is_prefill for i in usable):
-                return f"every instance of a role failed this request ({failed})"
-        notes = [f"{d.engine_id}: {self.pairing_note(d)}" for d in decoders]
-        return "no decode instance has a compatible prefill instance: " + " | ".join(notes)
+        """Why ``route(exclude=exclude)`` found nothing, for the 503: what is registered, then
+        each live instance it did not use (by id and address) and why."""
+        live = sorted(self.registry.live(), key=lambda i: i.engine_id)
+        counts = (
+            f"{sum(i.is_prefill for i in live)} prefill, {sum(i.is_decode for i in live)} "
+            f"decode and {sum(i.is_replica for i in live)} replica instances are registered"
+        )
+        unused = [
+            f"{i.engine_id} ({i.info.http_url}): {self._why_unused(i, live, exclude)}"
+            for i in live
+            if i.engine_id not in exclude
+        ]
+        return f"{counts}; not used: {' | '.join(unused)}" if unused else counts
+
+    def _why_unused(
+        self, instance: Instance, live: list[Instance], exclude: Collection[str]
+    ) -> str:
+        """Why an instance that did not fail this request could not serve it: it has no peer
+        of its model and KV layout, or each such peer failed this request."""
+        if instance.is_replica:
+            return "not tried"
+        wanted = "prefill" if instance.is_decode else "decode"
+        equals = [
+            i.engine_id
+            for i in live
+            if i.engine_id != instance.engine_id
+            and (i.is_prefill if wanted == "prefill" else i.is_decode)
+            and i.info.fingerprint == instance.info.fingerprint
+        ]
+        if equals and all(name in exclude for name in equals):
+            return f"each {wanted} instance it pairs with failed this request ({', '.join(equals)})"
+        return self.pairing_note(instance) or "not tried"
 
     # ------------------------------------------------------------------ accounting
     def acquire(self, instance: Instance) -> None:
