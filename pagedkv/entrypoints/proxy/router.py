@@ -11,13 +11,13 @@ answering instance is chosen first, then its P:
 ``kv_aware``     the lowest cost = the prompt tokens the instance lacks (its cached prefix
                  from ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and
                  waiting + this proxy's in flight). Costs within ``NEAR_TIE_TOKENS`` of the
-                 lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens computed
-                 lately first), then at random. D is chosen by its own cached prefix (D asks P
-                 only for the blocks it lacks), P by its own.
+                 lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens sent
+                 to compute lately first), then at random. D is chosen by its own cached
+                 prefix (D asks P only for the blocks it lacks), P by its own.
 
 Why ties need more than load: a prompt no instance holds costs the same everywhere, and when
 requests come one at a time every load is 0, so a random pick can put most new prefixes (and
-then all of their traffic) on one instance. The work an instance computed lately outlives its
+then all of their traffic) on one instance. The work an instance was sent lately outlives its
 requests; a new prefix goes where the least was. Near-ties count too: a one-block header that
 every prompt shares would otherwise keep every new prefix on the first instance that has it.
 
