@@ -113,6 +113,13 @@ def assert_predictions_exact(proxy_url: str, seed: int) -> list[tuple[str, int, 
 def test_predicted_overlap_equals_each_replicas_measured_prefix_hit(replicas) -> None:
     answers = assert_predictions_exact(replicas.proxy.base_url, seed=1)
     assert sum(hit for _, _, hit in answers) > 0, "the workload shares prefixes: some must hit"
+    # The caches start empty and requests come one at a time: the first three system prompts
+    # go to the three replicas, each new one where the least work went lately.
+    first_at: dict[str, str] = {}
+    for body, (replica, _, _) in zip(shared_prefix_workload(seed=1), answers, strict=True):
+        system = body["prompt"] if "prompt" in body else body["messages"][0]["content"]
+        first_at.setdefault(system[:40], replica)
+    assert len(set(list(first_at.values())[:3])) == 3, first_at
     metrics = httpx.get(f"{replicas.proxy.base_url}/metrics", timeout=10).text
     assert f"pagedkv:proxy_exact_hit_predictions_total {float(len(answers))}" in metrics
     live = replicas.proxy.instances()["replica"]

@@ -1,10 +1,12 @@
-"""The router's choices, in one process: replicas, kv_aware costs and ties, P/D by each side's
-own cached prefix, and conditional disaggregation. The KV index is fed real wire events and
-the prompts are tokenized and hashed by the proxy's real tokenizer path."""
+"""The router's choices, in one process: replicas, kv_aware costs and ties (new prefixes spread
+by recent work), P/D by each side's own cached prefix, and conditional disaggregation. The KV
+index is fed real wire events and the prompts are tokenized and hashed by the proxy's real
+tokenizer path."""
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 
@@ -12,6 +14,7 @@ import pytest
 
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
+from pagedkv.entrypoints.proxy.recent_work import RecentWork
 from pagedkv.entrypoints.proxy.registry import Instance, Register
 from pagedkv.entrypoints.proxy.router import Prompt, Router
 from pagedkv.kv_cache.block_hash import BlockHasher
@@ -56,13 +59,13 @@ def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> 
     router, index = kv_router([a, b], tokenizer, load_weight=40.0)
     store(index, "b", PROMPT[:64])  # b holds 4 blocks: 64 tokens
     route = router.route(Prompt(PROMPT))
-    # a: 100 uncached + 0; b: 36 uncached + 40 x 1 = 76
+    # a: 100 uncached + 0; b: 36 uncached + 40 x 1 = 76, more than NEAR_TIE_TOKENS below a
     assert (route.d.engine_id, route.p, route.predicted_hit_tokens) == ("b", None, 64)
     # The prompt is on its way into b's cache: the same prefix goes there before its event.
     again = PROMPT[:80] + [7] * 20
     assert router.route(Prompt(again)).predicted_hit_tokens == 80
     router.acquire(b)
-    router.acquire(b)  # b: 100 - 80 + 40 x 3 = 140 > 100
+    router.acquire(b)  # b: 100 - 64 + 40 x 3 = 156 > a's 100 + NEAR_TIE_TOKENS
     other = PROMPT[:64] + [9] * 36
     route = router.route(Prompt(other))
     assert (route.d.engine_id, route.predicted_hit_tokens) == ("a", 0)
@@ -71,11 +74,84 @@ def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> 
     assert router.route(Prompt(PROMPT)).predicted_hit_tokens == 96
 
 
-def test_ties_are_broken_at_random(tokenizer) -> None:
-    router, _ = kv_router([instance(n) for n in "abc"], tokenizer, seed=0)
-    prompts = [[i, *PROMPT] for i in range(300)]  # nothing shared: every cost is equal
-    chosen = Counter(router.route(Prompt(p)).d.engine_id for p in prompts)
-    assert set(chosen) == {"a", "b", "c"} and min(chosen.values()) > 60
+def test_ties_go_to_the_least_recent_work_then_at_random(tokenizer) -> None:
+    firsts = set()
+    for seed in range(20):  # nothing sent yet: every cost and every recent work is equal
+        router, _ = kv_router([instance(n) for n in "abc"], tokenizer, seed=seed)
+        firsts.add(router.route(Prompt(PROMPT)).d.engine_id)
+    assert firsts == {"a", "b", "c"}
+    router, index = kv_router([instance(n) for n in "abc"], tokenizer, seed=0)
+    prompts = [[i, *PROMPT] for i in range(6)]  # nothing shared, equal lengths
+    chosen = [router.route(Prompt(p)).d.engine_id for p in prompts]
+    assert sorted(chosen[:3]) == sorted(chosen[3:]) == ["a", "b", "c"]
+    assert router.recent_work.get("a") == pytest.approx(2 * 101, rel=1e-3)
+    # A near-tie: one block more cached at a (NEAR_TIE_TOKENS) does not outweigh the work a
+    # was sent lately; a longer hit does.
+    store(index, "a", [1] * 16 + PROMPT)
+    router.recent_work.add("a", 1000)
+    assert router.route(Prompt([1] * 16 + [2] * 50)).d.engine_id != "a"
+    assert router.route(Prompt([1] * 16 + PROMPT)).d.engine_id == "a"
+    # P is chosen the same way: two Ps of one D take new prompts in turn.
+    ps = [instance(n, "kv_producer") for n in ("p0", "p1")]
+    router, _ = kv_router([*ps, instance("d", "kv_consumer")], tokenizer, seed=0)
+    chosen = [router.route(Prompt([i, *PROMPT])).p.engine_id for i in range(4)]
+    assert sorted(chosen[:2]) == sorted(chosen[2:]) == ["p0", "p1"]
+
+
+def test_recent_work_halves_every_half_life() -> None:
+    now = [100.0]
+    work = RecentWork(half_life_s=10.0, clock=lambda: now[0])
+    work.add("a", 400)
+    now[0] += 10.0
+    assert work.get("a") == pytest.approx(200.0) and work.get("b") == 0.0
+    work.add("a", 100)  # 200 decayed + 100
+    now[0] += 20.0
+    assert work.get("a") == pytest.approx(75.0)
+    with pytest.raises(ValueError, match="half_life_s"):
+        RecentWork(half_life_s=0.0)
+
+
+def one_at_a_time(tokenizer, seed: int, header: list[int]) -> tuple[float, list[int], int]:
+    """6 prefixes of 150 tokens (``header`` first) x 6 questions of 20-60 tokens, shuffled,
+    routed one at a time over 3 replicas; each answer's blocks reach the index as events before
+    the next request. (largest share of prompt tokens, hits of every prefix's repeats, the
+    hit a repeat can take)."""
+    rng = random.Random(seed)
+    prefixes = [
+        header + [rng.randrange(10, 4000) for _ in range(150 - len(header))] for _ in range(6)
+    ]
+    requests = [
+        (p, prefix + [rng.randrange(10, 4000) for _ in range(rng.randrange(20, 60))])
+        for p, prefix in enumerate(prefixes)
+        for _ in range(6)
+    ]  # fmt: skip
+    rng.shuffle(requests)
+    router, index = kv_router([instance(n) for n in "abc"], tokenizer, seed=seed)
+    tokens: Counter[str] = Counter()
+    repeat_hits, seen = [], set()
+    for p, token_ids in requests:
+        route = router.route(Prompt(token_ids))
+        if p in seen:
+            repeat_hits.append(route.predicted_hit_tokens)
+        seen.add(p)
+        tokens[route.d.engine_id] += len(token_ids)
+        store(index, route.d.engine_id, token_ids)
+    return max(tokens.values()) / sum(tokens.values()), repeat_hits, 150 // BS * BS
+
+
+@pytest.mark.parametrize("header", [0, BS], ids=["distinct", "shared-first-block"])
+def test_new_prefixes_spread_when_requests_come_one_at_a_time(tokenizer, header) -> None:
+    """Every load is 0 at each decision, and a new prefix costs the same everywhere (or a block
+    less where the shared header is): the prefixes still spread, no replica takes
+    more than half the prompt tokens, and every repeat of a prefix hits it whole."""
+    shared = list(range(4000, 4000 + header))
+    piled = {}
+    for seed in range(40):
+        share, repeat_hits, whole = one_at_a_time(tokenizer, seed, shared)
+        assert repeat_hits == [whole] * 30, seed
+        if share > 0.5:
+            piled[seed] = round(share, 2)
+    assert not piled, f"seeds whose largest replica took over half the prompt tokens: {piled}"
 
 
 def test_a_prefix_is_held_only_from_its_first_block_and_removed_blocks_are_gone(

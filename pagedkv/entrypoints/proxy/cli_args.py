@@ -34,7 +34,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="round_robin",
         choices=ROUTING_POLICIES,
         help="kv_aware: the instance (and P) with the fewest uncached prompt tokens plus "
-        "--load-weight x its load, from the instances' KV events (default: %(default)s)",
+        "--load-weight x its load, from the instances' KV events; ties (within a block) go "
+        "to the one sent the fewest tokens to compute lately (default: %(default)s)",
     )
     g.add_argument(
         "--load-weight",

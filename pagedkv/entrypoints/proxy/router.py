@@ -10,8 +10,16 @@ answering instance is chosen first, then its P:
                  instance reported running and waiting in its last heartbeat;
 ``kv_aware``     the lowest cost = the prompt tokens the instance lacks (its cached prefix
                  from ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and
-                 waiting + this proxy's in flight), ties broken at random. D is chosen by its
-                 own cached prefix (D asks P only for the blocks it lacks), P by its own.
+                 waiting + this proxy's in flight). Costs within ``NEAR_TIE_TOKENS`` of the
+                 lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens sent
+                 to compute lately first), then at random. D is chosen by its own cached
+                 prefix (D asks P only for the blocks it lacks), P by its own.
+
+Why ties need more than load: a prompt no instance holds costs the same everywhere, and when
+requests come one at a time every load is 0, so a random pick can put most new prefixes (and
+then all of their traffic) on one instance. The work an instance was sent lately outlives its
+requests; a new prefix goes where the least was. Near-ties count too: a one-block header that
+every prompt shares would otherwise keep every new prefix on the first instance that has it.
 
 Conditional disaggregation (``disagg_threshold`` N > 0): a D that lacks fewer than N prompt
 tokens prefills them itself, with no P. Instances that already failed this request are
@@ -31,7 +39,13 @@ from typing import NamedTuple
 from pagedkv.entrypoints.proxy.cli_args import ROUTING_POLICIES
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
+from pagedkv.entrypoints.proxy.recent_work import RecentWork
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
+
+#: kv_aware: costs this many prompt tokens above the lowest count as tied with it. One block of
+#: 16: a chat template's header that every prompt shares is no reason to pile new prefixes on
+#: one instance; sent elsewhere, a request recomputes at most this much once.
+NEAR_TIE_TOKENS = 16
 
 
 class Prompt(NamedTuple):
@@ -77,6 +91,7 @@ class Router:
         self.in_flight: Counter[str] = Counter()
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._random = random.Random(seed)
+        self.recent_work = RecentWork()
 
     @property
     def needs_prompt(self) -> bool:
@@ -106,7 +121,7 @@ class Router:
         for d in self._rank(answerers, "decode", prompt, hits):
             predicted = hits.get(d.engine_id)
             if d.is_replica or alone or self._prefills_itself(prompt, predicted):
-                self._expect(prompt, d)
+                self._expect(prompt, d, predicted)
                 return Route(d, None, predicted)
             compatible = [
                 p
@@ -118,14 +133,18 @@ class Router:
             if compatible:
                 p_hits = self._hit_tokens(prompt, compatible)
                 p = self._rank(compatible, "prefill", prompt, p_hits)[0]
-                self._expect(prompt, d)
-                self._expect(prompt, p)
+                self._expect(prompt, d, predicted)
+                self._expect(prompt, p, p_hits.get(p.engine_id))
                 return Route(d, p, predicted)
         return None
 
-    def _expect(self, prompt: Prompt | None, instance: Instance) -> None:
-        """The prompt's full blocks will be cached at ``instance`` soon (kv_aware)."""
-        if self.policy != "kv_aware" or prompt is None or not instance.info.hash_algo:
+    def _expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
+        """``instance`` will compute the prompt tokens it lacks, and cache the prompt's full
+        blocks soon (kv_aware)."""
+        if self.policy != "kv_aware" or prompt is None:
+            return
+        self.recent_work.add(instance.engine_id, len(prompt.token_ids) - (hit_tokens or 0))
+        if not instance.info.hash_algo:
             return
         assert self.kv_index is not None and self.tokenizer is not None
         info = instance.info
@@ -175,13 +194,25 @@ class Router:
             start = next(self._turns[role]) % len(instances)
             return instances[start:] + instances[:start]
         if self.policy == "kv_aware" and prompt is not None:
-            self._random.shuffle(instances)  # ties at random: the sort below is stable
-            num_tokens = len(prompt.token_ids)
-            return sorted(instances, key=lambda i: self.cost(i, num_tokens, hits))
+            return self._rank_by_cost(instances, len(prompt.token_ids), hits)
         return sorted(
             instances,
             key=lambda i: (self.in_flight[i.engine_id], i.info.num_running + i.info.num_waiting),
         )
+
+    def _rank_by_cost(
+        self, instances: list[Instance], num_tokens: int, hits: dict[str, int]
+    ) -> list[Instance]:
+        """kv_aware: the instances tied with the lowest cost, the least recent work first, then
+        the others, the lowest cost first."""
+        self._random.shuffle(instances)  # exact ties at random: the sorts below are stable
+        costs = {i.engine_id: self.cost(i, num_tokens, hits) for i in instances}
+        tied_below = min(costs.values()) + NEAR_TIE_TOKENS
+        tied = [i for i in instances if costs[i.engine_id] <= tied_below]
+        others = [i for i in instances if costs[i.engine_id] > tied_below]
+        tied.sort(key=lambda i: self.recent_work.get(i.engine_id))
+        others.sort(key=lambda i: costs[i.engine_id])
+        return tied + others
 
     def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
         """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
