@@ -3,7 +3,9 @@
 A transfer keeps a request's blocks beyond what the V1 scheduler itself tracks. Per request::
 
     load (consumer): admitted, load_async
-        -> LOADING (status WAITING_FOR_REMOTE_KVS; cancelled once, if its deadline passes)
+        -> LOADING (status WAITING_FOR_REMOTE_KVS; cancelled once, if its deadline passes:
+                    ``kv_load_timeout`` after admission, pushed forward each time the
+                    connector reports the load in progress)
             -- finished_recving --> LOADED -- promote_if_loaded --> status WAITING
             -- finished_recving, its blocks bad under "fail" --> the request ends with an error
             -- the request ends --> ENDED_WHILE_LOADING -- finished_recving --> blocks freed
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,7 +62,7 @@ class TransferResults(NamedTuple):
 @dataclass(slots=True)
 class _Load:
     request: Request
-    #: When the load counts as failed (monotonic clock).
+    #: When the load counts as failed (the tracker's clock).
     deadline: float
     cancelled: bool = False
     #: Why it failed, once its blocks were reported bad under the "fail" policy.
@@ -68,9 +70,16 @@ class _Load:
 
 
 class KVTransferTracker:
-    def __init__(self, connector: KVConnectorBase | None, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        connector: KVConnectorBase | None,
+        kv_cache_manager: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.connector = connector
         self.kv_cache_manager = kv_cache_manager
+        #: Load deadlines' clock (monotonic seconds; tests drive their own).
+        self.clock = clock
         self._loading: dict[str, _Load] = {}
         #: Loads that ended, whose request is not promoted yet.
         self._loaded: set[str] = set()
@@ -116,7 +125,7 @@ class KVTransferTracker:
         self.connector.update_state_after_alloc(request, blocks, external.num_tokens)
         if external.load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            deadline = time.monotonic() + self.connector.config.kv_load_timeout
+            deadline = self.clock() + self.connector.config.kv_load_timeout
             self._loading[request.request_id] = _Load(request, deadline)
 
     def promote_if_loaded(self, request: Request) -> bool:
@@ -133,7 +142,7 @@ class KVTransferTracker:
 
     def cancel_overdue_loads(self) -> None:
         """A load past its deadline is cancelled (once); the connector then ends it as failed."""
-        now = time.monotonic()
+        now = self.clock()
         for load in self._loading.values():
             if not load.cancelled and now > load.deadline:
                 load.cancelled = True
@@ -168,11 +177,13 @@ class KVTransferTracker:
     def update_from_output(
         self, output: KVConnectorOutput, requests: Iterable[Request]
     ) -> TransferResults:
-        """Apply a step's ended sends, ended loads and bad blocks. ``requests``: every
-        unfinished request (bad blocks may be shared through the prefix cache)."""
+        """Apply a step's ended sends, ended loads, loads in progress and bad blocks.
+        ``requests``: every unfinished request (bad blocks may be shared through the prefix
+        cache)."""
         assert self.connector is not None
         kv = self.kv_cache_manager
         self.connector.update_connector_output(output)
+        self._renew_deadlines(output.loads_in_progress)
         for request_id in output.finished_sending:
             request = self._sending.pop(request_id, None)
             if request is not None:
@@ -195,6 +206,16 @@ class KVTransferTracker:
             else:
                 self._loaded.add(request_id)
         return results
+
+    def _renew_deadlines(self, request_ids: Iterable[str]) -> None:
+        """The source of these loads still computes their KV: each deadline counts from now
+        (a load already cancelled stays cancelled)."""
+        assert self.connector is not None
+        deadline = self.clock() + self.connector.config.kv_load_timeout
+        for request_id in request_ids:
+            load = self._loading.get(request_id)
+            if load is not None and not load.cancelled:
+                load.deadline = max(load.deadline, deadline)
 
     def _apply_invalid_blocks(
         self,

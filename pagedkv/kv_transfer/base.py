@@ -9,6 +9,10 @@ Terminal states. Every load a consumer starts ends exactly once, reported in
 ``finished_recving`` (its failed blocks, if any, in ``invalid_block_ids`` of the same output);
 every send a producer holds blocks for ends exactly once, reported in ``finished_sending``
 (delivered, refused, failed, or its lease expired). The scheduler frees blocks only then.
+
+Deadlines. A load counts as failed once ``kv_load_timeout`` has passed since it started, or
+since the worker last reported it in ``loads_in_progress`` (its source is busy computing it:
+an overloaded producer costs time, not a failed request).
 """
 
 from __future__ import annotations

@@ -29,10 +29,18 @@ class KVConnectorOutput:
     #: Consumer: why a load failed, by request id (the peer and the cause), for the error a
     #: client sees under kv_load_failure_policy=fail.
     load_errors: dict[str, str] = field(default_factory=dict)
+    #: Consumer: loads whose source still computes their KV (their request is queued or in
+    #: prefill there): their deadline counts from now.
+    loads_in_progress: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.loads_in_progress
+        )
 
 
 @dataclass

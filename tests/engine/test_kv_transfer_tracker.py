@@ -39,13 +39,16 @@ class AnsweringConnector(InProcConnector):
         return self.answer
 
 
-def make_tracker(role="kv_consumer", policy="fail", timeout=30.0, connector_cls=InProcConnector):
+def make_tracker(
+    role="kv_consumer", policy="fail", timeout=30.0, connector_cls=InProcConnector, clock=None
+):
     mgr = make_manager(full_spec(BS), num_blocks=11)
     config = KVTransferConfig(
         "InProcConnector", role, kv_load_failure_policy=policy, kv_load_timeout=timeout
     )
     connector = connector_cls(config, mgr.kv_cache_config, "fp")
-    return KVTransferTracker(connector, mgr), connector, mgr
+    tracker = KVTransferTracker(connector, mgr, **({"clock": clock} if clock else {}))
+    return tracker, connector, mgr
 
 
 def make_request(params: dict | None, num_tokens: int = 10, request_id: str = "r") -> Request:
@@ -116,6 +119,31 @@ def test_a_load_past_its_deadline_is_cancelled_once() -> None:
     tracker.cancel_overdue_loads()
     tracker.cancel_overdue_loads()
     assert planned(connector).cancels == ["r"]
+    assert tracker.phase("r") is TransferPhase.LOADING  # until the connector ends it
+
+
+def test_a_load_in_progress_at_its_source_counts_its_deadline_from_then() -> None:
+    """The connector reports the load in progress (its source is still computing the KV): the
+    deadline, 2 s, counts from that report, not from admission; once the reports stop it
+    passes as usual, and a load already cancelled stays cancelled."""
+    now = [0.0]
+    tracker, connector, _ = make_tracker(timeout=2.0, clock=lambda: now[0])
+    request, other = make_request(LOAD), make_request(LOAD, request_id="other")
+    admit(tracker, request)
+    planned(connector)
+    now[0] = 1.5
+    assert report(tracker, request, loads_in_progress={"r", "unknown"}) == ([], [])
+    now[0] = 3.4  # past admission + 2 s, within the report + 2 s
+    tracker.cancel_overdue_loads()
+    assert planned(connector).cancels == []
+    now[0] = 3.6
+    tracker.cancel_overdue_loads()
+    assert planned(connector).cancels == ["r"]
+    report(tracker, request, loads_in_progress={"r"})  # too late: it stays cancelled
+    admit(tracker, other)
+    now[0] = 5.7
+    tracker.cancel_overdue_loads()
+    assert planned(connector).cancels == ["other"]
     assert tracker.phase("r") is TransferPhase.LOADING  # until the connector ends it
 
 

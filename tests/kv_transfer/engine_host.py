@@ -7,6 +7,8 @@ The child steps its engine on a thread whenever it has work; the parent sends JS
 Test hooks (``hook=``), applied inside the child only:
   "die_mid_transfer"  P SIGKILLs itself right after D received its first KV message
   "die_after_want"    D exits 0.3 s after it sent its first WANT
+  "slow_step:<s>"     every step that computes something takes s seconds longer (a busy P:
+                      its queue drains slowly while its control plane answers as usual)
   control-plane faults, comma-separated, on the messages this engine sends:
   "drop:<kind>@<n>"       the n-th message of that kind (1-based) is never sent
   "delay:<kind>@<n>:<s>"  the n-th message of that kind leaves s seconds late (so later
@@ -81,6 +83,17 @@ def _apply_hook(hook: str) -> None:
 
     if hook.startswith(("drop:", "delay:")):
         _fault_control_plane(hook)
+    elif hook.startswith("slow_step:"):
+        from pagedkv.worker.model_runner import ModelRunner
+
+        seconds, original_run = float(hook.split(":")[1]), ModelRunner._run
+
+        def slow_run(self, scheduler_output, grammar_bitmask):
+            if not scheduler_output.is_empty:
+                time.sleep(seconds)
+            return original_run(self, scheduler_output, grammar_bitmask)
+
+        ModelRunner._run = slow_run
     elif hook == "die_mid_transfer":  # one message in flight at a time: the rest never leave
         original_init, original_complete = lanes.SendLane.__init__, lanes.SendLane._complete_oldest
 

@@ -18,7 +18,9 @@ loads the prompt blocks it lacks, asynchronously::
 After the load the scheduler recomputes only token n-1 (for its logits). A request is loaded
 at most once: if it is preempted later it recomputes like any other request.
 
-P. A request with ``do_remote_decode`` runs normally (the proxy sends ``max_tokens=1``). In the
+P. A request with ``do_remote_decode`` runs normally (the proxy sends ``max_tokens=1``). From its
+arrival until it ends it is announced to the worker (``arrivals``, ``departures``), which names
+its transfer to D as still being computed, so D's load deadline waits for a busy P. In the
 step whose forward completes its prompt it is announced to the worker (``computing``), so PUT
 and PUT_ASYNC can send each layer as soon as the forward has written it. When it finishes with
 its prompt computed, ``request_finished`` holds its blocks (``holds``) until the worker reports
@@ -132,6 +134,11 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     holds: list[SendSpec] = field(default_factory=list)
     #: P: transfer ids whose request ended without KV to send (its blocks are not held).
     releases: list[str] = field(default_factory=list)
+    #: P: requests that arrived, with their transfer id: from now until they depart, P names
+    #: the transfer in its heartbeats to D as still being computed.
+    arrivals: list[tuple[str, str]] = field(default_factory=list)
+    #: P: arrived requests that ended (their KV is computed, or never will be).
+    departures: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -167,6 +174,8 @@ class P2pConnector(KVConnectorBase):
         self._sending_tids: dict[str, str] = {}
         #: P: requests whose blocks are held -> their transfer id (until finished_sending).
         self._held: dict[str, str] = {}
+        #: P: requests announced in ``arrivals`` that have not departed yet.
+        self._arrived: set[str] = set()
 
     # ------------------------------------------------------------------ D
     def _remote_load(self, request: Request) -> RemoteLoad | None:
@@ -179,6 +188,14 @@ class P2pConnector(KVConnectorBase):
         load = self._remote_load(request)
         if load is not None and load.remote is not None:
             self._meta.queued.append(load)
+        try:
+            params = self._send_params(request)
+        except ValueError:  # warned about at admission
+            return
+        if params is not None:
+            assert params.transfer_id is not None
+            self._arrived.add(request.request_id)
+            self._meta.arrivals.append((request.request_id, params.transfer_id))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -316,6 +333,9 @@ class P2pConnector(KVConnectorBase):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         request_id = request.request_id
+        if request_id in self._arrived:
+            self._arrived.discard(request_id)
+            self._meta.departures.append(request_id)
         loaded = self._loading.pop(request_id, None)
         if loaded is None:
             load = self._remote_load(request)

@@ -12,10 +12,14 @@ sends for it drains into staging. P hears how the load ended (DONE, or CANCEL wh
 not started), so it frees its blocks at once.
 
 Requests waiting for admission (``on_queued``) are named in the heartbeats too: P keeps their
-KV (renewing its lease) while D has no room to ask for it yet.
+KV (renewing its lease) while D has no room to ask for it yet. The other way, P's heartbeats
+name the loads whose request P is still computing (``on_peer_busy``): a load's deadline,
+``kv_load_timeout``, counts from its start or from the last time P named it, whichever is
+later, here and in the scheduler (told through ``loads_in_progress``). A busy P costs time; a
+P that stops naming a load, or dies, lets its deadline run out.
 
 Events: ``on_queued``, ``on_load``, ``on_cancel``, ``on_abandon`` (engine thread); ``on_nack``,
-``on_peer_refused`` (listener); ``on_xfer_part``, ``on_received`` (receive lanes);
+``on_peer_refused``, ``on_peer_busy`` (listener); ``on_xfer_part``, ``on_received`` (receive lanes);
 ``on_peer_lost`` (Peers); ``on_tick`` (maintenance). One lock guards the tables.
 """
 
@@ -33,6 +37,7 @@ from pagedkv.kv_transfer.p2p.lanes import Job
 from pagedkv.kv_transfer.p2p.pair_group import PairGroupError
 from pagedkv.kv_transfer.p2p.peers import Peers
 from pagedkv.kv_transfer.p2p.protocol import (
+    MAX_COMPUTING,
     Cancel,
     Done,
     Heartbeat,
@@ -151,6 +156,19 @@ class InboundTransfers:
         if nack.group_lost:  # P has no such group: the next load sets up a fresh one
             self.peers.lose(peer.engine_id, "P lost the pair group", rec.group)
 
+    def on_peer_busy(self, peer: PeerAddr, transfer_ids: list[str], now: float) -> None:
+        """``peer`` still computes the KV of these transfers (their request is queued or in
+        prefill on P): the deadlines of our loads of them count from ``now``."""
+        busy = []
+        with self._lock:
+            for transfer_id in transfer_ids[:MAX_COMPUTING]:
+                rec = self._by_tid.get(transfer_id)
+                if rec is not None and rec.spec.remote == peer and rec.state is PENDING:
+                    rec.counted_from = max(rec.counted_from, now)
+                    busy.append(rec.spec.request_id)
+        if busy:
+            self.finished.in_progress(busy)
+
     def on_peer_refused(self, peer: PeerAddr, reason: str) -> None:
         """Our messages can't be exchanged with ``peer`` (secret or compatibility mismatch)."""
         with self._lock:
@@ -237,8 +255,9 @@ class InboundTransfers:
         limit = self.config.kv_load_timeout + max(1.0, self.p2p.heartbeat_s)
         with self._lock:
             for rec in list(self._by_tid.values()):
-                if now - rec.started > limit:
-                    self._end(rec, FAILED, "deadline", f"no KV within {limit:g}s")
+                if now - rec.counted_from > limit:
+                    why = f"no KV within {limit:g}s (kv_load_timeout, plus a heartbeat)"
+                    self._end(rec, FAILED, "deadline", why)
 
     def heartbeats(self) -> dict[PeerAddr, Heartbeat]:
         """Per P: the transfers D awaits (renews P's leases), then those still queued (waiting

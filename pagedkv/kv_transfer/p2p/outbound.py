@@ -6,13 +6,17 @@ both hold, on the pair group's SendLane, in the way the send mode says (send_mod
 the forward computes the prompt (PUT, PUT_ASYNC) or afterwards from the held blocks or the
 send pool. It ends exactly once (transfer_state.py) and its blocks are freed
 (``finished_sending``) once it has ended and the scheduler has said it holds them. Ended
-transfers are remembered for a while (tombstones, capped): a late WANT, CANCEL or heartbeat
-for one gets the right answer.
+transfers are remembered for a while (tombstones.py): a late WANT, CANCEL or heartbeat for
+one gets the right answer.
 
 A lease bounds how long P keeps KV nobody asks for; D's heartbeats renew it, for loads D
-asked for and for requests still waiting for admission on D.
+asked for and for requests still waiting for admission on D. The other way, P's heartbeats
+name the transfers D asked for whose request is still queued or in prefill here
+(``heartbeats``): D's load deadline then waits for P instead of failing a request that P was
+only slow to reach.
 
-Events: ``on_computing``, ``on_hold``, ``on_release`` (engine thread); ``on_want``,
+Events: ``on_arrived``, ``on_computing``, ``on_hold``, ``on_release``, ``on_departed``
+(engine thread); ``on_want``,
 ``on_done``, ``on_cancel``, ``on_heartbeat`` (listener); ``on_job_ended`` (send lanes);
 ``on_group_ready``, ``on_peer_lost`` (Peers); ``on_tick`` (maintenance: expired leases). One
 lock guards the tables; a lane is only ever called with it held, never the other way round.
@@ -22,15 +26,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import SendSpec
 from pagedkv.kv_transfer.p2p.lanes import Job, LaneError, SendLane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
 from pagedkv.kv_transfer.p2p.peers import Peers
-from pagedkv.kv_transfer.p2p.protocol import Cancel, Done, Heartbeat, Nack, PeerAddr, Want
+from pagedkv.kv_transfer.p2p.protocol import (
+    MAX_COMPUTING,
+    Cancel,
+    Done,
+    Heartbeat,
+    Nack,
+    PeerAddr,
+    Want,
+)
 from pagedkv.kv_transfer.p2p.send_modes import SendMode
+from pagedkv.kv_transfer.p2p.tombstones import Tombstones
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, Outbound, P2pStats, TransferState
 from pagedkv.kv_transfer.p2p.want_check import want_problem, want_size_problem
 from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
@@ -41,9 +53,6 @@ PENDING, SENDING, SENT = TransferState.PENDING, TransferState.SENDING, TransferS
 DELIVERED, REFUSED = TransferState.DELIVERED, TransferState.REFUSED
 FAILED, EXPIRED = TransferState.FAILED, TransferState.EXPIRED
 
-#: Ended transfers remembered, oldest forgotten first: a flood of CANCELs for made-up
-#: transfer ids costs bounded memory.
-MAX_TOMBSTONES = 1 << 16
 #: Records made by WANTs before P's request got to its KV, at most: each holds its decoded
 #: WANT for a lease, so a flood of WANTs costs bounded memory. Honest ones are bounded by the
 #: loads the D instances admit (max_num_seqs each, 256 by default).
@@ -76,9 +85,9 @@ class OutboundTransfers:
         self._lock = threading.Lock()
         self._records: dict[str, Outbound] = {}
         self._leases = LeaseTable(p2p.lease_s)
-        #: Ended transfers -> (why, when to forget): a late WANT/heartbeat gets a NACK.
-        self._ended: dict[str, tuple[str, float]] = {}
-        self._tombstone_s = max(60.0, 4 * p2p.lease_s)
+        self._ended = Tombstones(keep_s=max(60.0, 4 * p2p.lease_s))
+        #: P's requests from their arrival until they end -> their transfer id (arrival order).
+        self._in_progress: dict[str, str] = {}
         self._log = RateLimitedLog(logger)
 
     @property
@@ -87,10 +96,21 @@ class OutboundTransfers:
 
     def ended_reason(self, transfer_id: str) -> str | None:
         """Why a transfer ended, while it is remembered."""
-        tombstone = self._ended.get(transfer_id)
-        return None if tombstone is None else tombstone[0]
+        return self._ended.reason(transfer_id)
 
     # ------------------------------------------------------------------ engine thread
+    def on_arrived(self, arrivals: list[tuple[str, str]]) -> None:
+        """These requests (request id, transfer id) arrived: their KV is being computed (they
+        are queued or in prefill) until ``on_departed``."""
+        with self._lock:
+            self._in_progress.update(arrivals)
+
+    def on_departed(self, request_ids: list[str]) -> None:
+        """These requests ended: their transfers are no longer named as being computed."""
+        with self._lock:
+            for request_id in request_ids:
+                self._in_progress.pop(request_id, None)
+
     def on_computing(self, specs: list[SendSpec]) -> None:
         """The forward about to run completes these prompts: a transfer whose WANT is here
         and whose lane is up goes out as the forward computes it (one wire batch per D)."""
@@ -121,7 +141,7 @@ class OutboundTransfers:
         """The scheduler holds a finished request's blocks until ``finished_sending``."""
         with self._lock:
             if spec.transfer_id in self._ended and spec.transfer_id not in self._records:
-                why = self._ended[spec.transfer_id][0]
+                why = self._ended.reason(spec.transfer_id)
                 logger.info("transfer %s already ended (%s): freeing", spec.transfer_id, why)
                 self.finished.sending(spec.request_id)
                 return
@@ -149,7 +169,7 @@ class OutboundTransfers:
         with self._lock:
             rec = self._records.get(transfer_id)
             if rec is None:
-                self._tombstone(transfer_id, why)
+                self._ended.add(transfer_id, why)
                 return
             rec.held = False
             if rec.state is PENDING:
@@ -169,7 +189,7 @@ class OutboundTransfers:
                 return
             if not self.peers.has_group(peer.engine_id, want.group):
                 why = f"refused: no pair group {want.group[:8]} with {peer.engine_id}"
-                self._tombstone(want.transfer_id, why)
+                self._ended.add(want.transfer_id, why)
                 self.peers.control.send(peer, Nack(want.transfer_id, why, group_lost=True))
                 return
             rec = self._records.get(want.transfer_id)
@@ -179,7 +199,7 @@ class OutboundTransfers:
                     problem = f"{MAX_EARLY_WANTS} transfers already wait for P's KV"
                 if problem is not None:
                     why = f"refused: {problem}"
-                    self._tombstone(want.transfer_id, why)
+                    self._ended.add(want.transfer_id, why)
                     self.peers.control.send(peer, Nack(want.transfer_id, why))
                     return
                 rec = self._record(want.transfer_id)
@@ -208,7 +228,7 @@ class OutboundTransfers:
             rec = self._records.get(cancel.transfer_id)
             if rec is None:
                 if cancel.transfer_id not in self._ended:
-                    self._tombstone(cancel.transfer_id, reason)
+                    self._ended.add(cancel.transfer_id, reason)
                 return
             if rec.peer is not None and rec.peer != peer:
                 return
@@ -238,6 +258,21 @@ class OutboundTransfers:
                 rec = self._records.get(transfer_id)
                 if rec is not None and rec.peer is None and self._may_serve(rec, peer):
                     self._leases.renew(transfer_id)
+
+    def heartbeats(self) -> dict[PeerAddr, Heartbeat]:
+        """Per D: the transfers it asked for (WANT here, not sent yet) whose request is still
+        queued or in prefill here, oldest first, at most ``MAX_COMPUTING`` (past that, the
+        newest are not named: their deadline on D runs on from their last naming)."""
+        named: dict[PeerAddr, list[str]] = {}
+        with self._lock:
+            for transfer_id in dict.fromkeys(self._in_progress.values()):
+                rec = self._records.get(transfer_id)
+                if rec is None or rec.peer is None or rec.state is not PENDING:
+                    continue
+                ids = named.setdefault(rec.peer, [])
+                if len(ids) < MAX_COMPUTING:
+                    ids.append(transfer_id)
+        return {peer: Heartbeat(computing=ids) for peer, ids in named.items()}
 
     # ------------------------------------------------------------------ lanes, peers, clock
     def on_job_ended(self, job: Job) -> None:
@@ -277,8 +312,7 @@ class OutboundTransfers:
                     self._leases.release(transfer_id)
                 elif rec.state in (PENDING, SENT):
                     self._end(rec, EXPIRED, "expired", f"no word from D in {self._leases.lease_s}s")
-            for key in [k for k, (_, expiry) in self._ended.items() if expiry < now]:
-                del self._ended[key]
+            self._ended.forget_expired(now)
 
     # ------------------------------------------------------------------ internals (lock held)
     def _record(self, transfer_id: str) -> Outbound:
@@ -381,7 +415,7 @@ class OutboundTransfers:
             )
         if state in (REFUSED, EXPIRED) and rec.peer is not None:
             self.peers.control.send(rec.peer, Nack(rec.transfer_id, f"{state.value}: {reason}"))
-        self._tombstone(rec.transfer_id, f"{state.value}: {reason}")
+        self._ended.add(rec.transfer_id, f"{state.value}: {reason}")
         self.mode.release(rec.transfer_id)
         self._retire_if_settled(rec)
 
@@ -399,8 +433,3 @@ class OutboundTransfers:
             assert rec.spec is not None
             self.finished.sending(rec.spec.request_id)
             rec.released = True
-
-    def _tombstone(self, transfer_id: str, why: str) -> None:
-        if transfer_id not in self._ended and len(self._ended) >= MAX_TOMBSTONES:
-            del self._ended[next(iter(self._ended))]  # the oldest
-        self._ended[transfer_id] = (why, time.monotonic() + self._tombstone_s)

@@ -2,7 +2,8 @@
 
 Owns the control plane (one ROUTER, one DEALER per peer), the pair group with each peer and
 its lanes, and their lifecycle. While a group exists both sides send each other a HEARTBEAT
-every ``heartbeat_s`` (D's also names the transfers it awaits, renewing P's leases). A group
+every ``heartbeat_s`` (D's also names the transfers it awaits, renewing P's leases; P's names
+those it still computes, pushing D's load deadlines forward). A group
 is torn down when
 
   * its peer is lost: nothing heard from it for ``peer_timeout_s``,
@@ -272,7 +273,7 @@ class Peers:
 
     # ------------------------------------------------------------------ the clock
     def on_tick(self, now: float, beats: Callable[[], dict[PeerAddr, Heartbeat]]) -> None:
-        """Heartbeats (``beats()``: D's, naming transfers; every group peer gets one),
+        """Heartbeats (``beats()``: those naming transfers; every group peer gets one),
         liveness, idle teardown, and DEALERs whose time is up."""
         p2p = self.p2p
         gap = 0.0 if self._last_tick is None else now - self._last_tick

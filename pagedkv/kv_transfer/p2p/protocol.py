@@ -186,14 +186,23 @@ class Cancel(msgspec.Struct, frozen=True):
     reason: str
 
 
+#: Transfers one heartbeat names as still being computed, at most (with transfer ids of up to
+#: 256 characters, 1024 of them fit well within the default ``max_message_bytes``).
+MAX_COMPUTING = 1024
+
+
 class Heartbeat(msgspec.Struct, frozen=True):
     """Liveness, both ways, while a pair group exists. From D it also renews the leases of
     ``transfer_ids`` (loads D has asked for: P NACKs the ones it does not hold for D) and of
     ``queued`` (requests D has not admitted yet: P keeps their KV, ignoring ids it does not
-    know yet)."""
+    know yet). From P, ``computing`` names the transfers D asked for whose request is still
+    queued or in prefill on P: D's deadline for those loads counts from when it hears this.
+    At most ``MAX_COMPUTING`` of them, the oldest on P first (the ones P computes next); one
+    named in no heartbeat keeps the deadline it had (counted from its last naming)."""
 
     transfer_ids: list[str] = []
     queued: list[str] = []
+    computing: list[str] = []
 
 
 class Bye(msgspec.Struct, frozen=True):

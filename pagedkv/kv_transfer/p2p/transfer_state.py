@@ -14,6 +14,9 @@ NACK, the peer going silent, or its own deadline::
                      |--NACK--> REFUSED      |--error / cancel / peer lost--> FAILED
                      |--cancel (abort, deadline) / peer lost / bad params--> FAILED
 
+D's deadline (``kv_load_timeout``) counts from the load's start or from the last heartbeat in
+which P named the transfer as still being computed, whichever is later.
+
 A record in SENDING leaves it only through its lane (the lane may still read its memory).
 """
 
@@ -93,8 +96,9 @@ class Inbound:
     #: The WANT is queued on P's connection: from then on heartbeats name the load as awaited
     #: (before, P has never heard of it and would refuse it as unknown).
     want_sent: bool = False
-    #: When the load started (monotonic): its deadline counts from then.
-    started: float = field(default_factory=time.monotonic)
+    #: Its deadline counts from then (monotonic): the load's start, or the last time P named
+    #: it as still being computed.
+    counted_from: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -127,8 +131,8 @@ class P2pStats:
 
 class Finished:
     """What the worker reports up at the end of a step (``finished_sending``,
-    ``finished_recving``, ``invalid_block_ids``), filled by any thread; ``progress`` wakes an
-    engine that waits only for transfers."""
+    ``finished_recving``, ``invalid_block_ids``, ``loads_in_progress``), filled by any thread;
+    ``progress`` wakes an engine that waits only for transfers."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -150,6 +154,12 @@ class Finished:
             if error is not None:
                 self._output.load_errors[request_id] = error
         self.progress.set()
+
+    def in_progress(self, request_ids: list[str]) -> None:
+        """D: P still computes these requests' KV (their deadlines count from now). Nothing
+        ended: the engine is not woken."""
+        with self._lock:
+            self._output.loads_in_progress.update(request_ids)
 
     def take(self) -> KVConnectorOutput:
         with self._lock:

@@ -3,7 +3,8 @@
 The flow, P and D dispatched concurrently by the proxy::
 
   D  request arrives: named in D's heartbeats to P while it waits for admission
-  D  admits it: async load of blocks [h/bs, ceil(n/bs))
+  D  admits it: async load of blocks [h/bs, ceil(n/bs)), failed after kv_load_timeout unless
+     P keeps naming it in its heartbeats as still being computed (queued or in prefill on P)
   D  -> P  Hello(group) (first contact only) + WANT(transfer_id, group, indices, prompt hash,
            segments: how D wants the blocks cut into messages)
   P  prefills; once "KV computed" and "WANT arrived" both hold, the transfer is queued on the
@@ -77,7 +78,7 @@ class P2pConnectorWorker(KVConnectorWorker):
             Want: lambda peer, m: self.outbound.on_want(peer, m),
             Done: lambda peer, m: self.outbound.on_done(peer, m),
             Cancel: lambda peer, m: self.outbound.on_cancel(peer, m),
-            Heartbeat: lambda peer, m: self.outbound.on_heartbeat(peer, m),
+            Heartbeat: self._on_heartbeat,
             Nack: lambda peer, m: self.inbound.on_nack(peer, m),
         }
         self.peers = Peers(
@@ -136,6 +137,8 @@ class P2pConnectorWorker(KVConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, P2pConnectorMetadata):
             return
+        if meta.arrivals:
+            self.outbound.on_arrived(meta.arrivals)
         for transfer_id in meta.releases:
             self.outbound.on_release(transfer_id)
         for spec in meta.holds:
@@ -150,6 +153,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             self.inbound.on_abandon(load)
         if meta.computing:
             self.outbound.on_computing(meta.computing)
+        if meta.departures:
+            self.outbound.on_departed(meta.departures)
 
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata) -> None:
         self.mode.save_layer(layer_idx, kv_cache)
@@ -164,6 +169,22 @@ class P2pConnectorWorker(KVConnectorWorker):
     def get_finished(self) -> KVConnectorOutput:
         return self.finished.take()
 
+    # ================================================================== heartbeats
+    def _on_heartbeat(self, peer: PeerAddr, beat: Heartbeat) -> None:
+        """D's renew P's leases; P's name the transfers P still computes for D."""
+        self.outbound.on_heartbeat(peer, beat)
+        if beat.computing:
+            self.inbound.on_peer_busy(peer, beat.computing, time.monotonic())
+
+    def _heartbeats(self) -> dict[PeerAddr, Heartbeat]:
+        """What this instance tells each peer: as D, the loads it awaits and has queued; as
+        P, the transfers it still computes."""
+        beats = self.inbound.heartbeats()
+        for peer, beat in self.outbound.heartbeats().items():
+            mine = beats.get(peer, Heartbeat())
+            beats[peer] = Heartbeat(mine.transfer_ids, mine.queued, beat.computing)
+        return beats
+
     # ================================================================== maintenance
     def _maintain(self) -> None:
         tick = min(0.1, self.p2p_config.heartbeat_s / 4)
@@ -172,7 +193,7 @@ class P2pConnectorWorker(KVConnectorWorker):
                 now = time.monotonic()
                 self.outbound.on_tick(now)
                 self.inbound.on_tick(now)
-                self.peers.on_tick(now, self.inbound.heartbeats)
+                self.peers.on_tick(now, self._heartbeats)
             except Exception:
                 logger.exception("p2p maintenance error (continuing)")
 
