@@ -83,6 +83,34 @@ def test_proxy_rejects_counts_and_times_not_above_zero(
     assert f"argument {flag}: must be" in capsys.readouterr().err
 
 
+def test_serve_registers_with_a_list_of_proxies() -> None:
+    args = make_parser().parse_args(
+        ["serve", "m", "--registry", "127.0.0.1:30001, proxy-b.local:30002,[::1]:30003"]
+    )
+    assert args.registry == [("127.0.0.1", 30001), ("proxy-b.local", 30002), ("[::1]", 30003)]
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("127.0.0.1:30001,bad", "'bad': not HOST:PORT"),
+        ("127.0.0.1:30001,", "'': not HOST:PORT"),
+        ("127.0.0.1:0", "port must be an integer in 1..65535"),
+        ("127.0.0.1:99999", "port must be an integer in 1..65535"),
+        ("a b:30001", "host must be an IP address or a host name"),
+        ("h:1,h:1", "'h:1' is listed twice"),
+    ],
+)
+def test_serve_rejects_a_bad_registry_list(
+    value: str, why: str, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(["serve", "m", f"--registry={value}"])
+    assert exit_info.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert "argument --registry: must be HOST:PORT[,HOST:PORT...]: " in line and why in line
+
+
 def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no model at"):
         main(["generate", "--model", str(tmp_path), "hello"])

@@ -14,11 +14,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.registry import (
     REGISTRY_MESSAGES,
     InstanceRegistry,
     Register,
-    RegistrationClient,
     registry_codec,
 )
 from pagedkv.entrypoints.proxy.router import Router

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedkv.entrypoints.proxy.app import build_proxy_app
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
-from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register, RegistrationClient
+from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
+from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr

@@ -19,11 +19,11 @@ from fastapi.testclient import TestClient
 
 from pagedkv.entrypoints.proxy.app import build_proxy_app
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
+from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.registry import (
     Instance,
     InstanceRegistry,
     Register,
-    RegistrationClient,
 )
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig

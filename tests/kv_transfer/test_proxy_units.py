@@ -10,11 +10,11 @@ import zmq
 from fastapi.testclient import TestClient
 
 from pagedkv.entrypoints.proxy.app import build_proxy_app
+from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.registry import (
     Instance,
     InstanceRegistry,
     Register,
-    RegistrationClient,
     registry_codec,
 )
 from pagedkv.entrypoints.proxy.router import Router
@@ -251,7 +251,7 @@ def test_a_secret_on_one_side_only_is_refused_and_both_sides_say_so(
     loggers = {r.name for r in caplog.records if "authentication mismatch" in r.getMessage()}
     assert loggers == {
         "pagedkv.kv_transfer.p2p.control_plane",
-        "pagedkv.entrypoints.proxy.registry",
+        "pagedkv.entrypoints.proxy.registration_client",
     }
 
 

@@ -47,7 +47,12 @@ from pagedkv.entrypoints.openai.protocol import (
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedkv.entrypoints.proxy.registry import PLAIN_ROLE, Register, RegistrationClient
+from pagedkv.entrypoints.proxy.registration_client import (
+    RegistrationClient,
+    close_all,
+    proxy_addresses,
+)
+from pagedkv.entrypoints.proxy.registry import PLAIN_ROLE, Register
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 from pagedkv.kv_transfer.p2p.protocol import PeerAddr
 
@@ -163,6 +168,8 @@ def run_server(args: argparse.Namespace) -> None:
     import uvicorn
 
     engine_args = EngineArgs.from_cli_args(args)
+    extra = (engine_args.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+    proxies = proxy_addresses(args.registry, extra)  # a bad list fails before the model loads
     served_model_name = args.served_model_name or engine_args.model_path.name
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
@@ -172,7 +179,7 @@ def run_server(args: argparse.Namespace) -> None:
     if engine.kv_event_publisher is not None:
         stats = engine.kv_event_publisher.get_stats
         registry.register(KVTransferCollector(stats, served_model_name, "kv_events"))
-    registration = start_registration(async_llm, args, served_model_name)
+    registrations = start_registration(async_llm, args, served_model_name, proxies)
     app = build_app(
         async_llm,
         served_model_name,
@@ -183,10 +190,9 @@ def run_server(args: argparse.Namespace) -> None:
     drain_began: list[float] = []
 
     def begin_drain() -> None:
-        """Leave the proxy's routing first: no new request is sent here from now on."""
+        """Leave the proxies' routing first: no new request is sent here from now on."""
         drain_began.append(time.monotonic())
-        if registration is not None:
-            registration.close()
+        close_all(registrations)
 
     server = DrainingServer(
         uvicorn.Config(
@@ -214,20 +220,19 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def start_registration(
-    async_llm: AsyncLLM, args: argparse.Namespace, served_model_name: str
-) -> RegistrationClient | None:
-    """With ``--registry HOST:PORT`` (or, with the P2P connector,
-    ``kv_connector_extra_config.proxy_ip``/``proxy_port``), announce this instance to a
-    ``pagedkv proxy`` (heartbeats every ``proxy_heartbeat_s``, default 2 s)."""
+    async_llm: AsyncLLM,
+    args: argparse.Namespace,
+    served_model_name: str,
+    proxies: list[tuple[str, int]],
+) -> list[RegistrationClient]:
+    """Announce this instance to each ``pagedkv proxy`` in ``proxies`` (``proxy_addresses``:
+    ``--registry``, or the P2P connector's ``kv_connector_extra_config``), with heartbeats
+    every ``proxy_heartbeat_s`` (default 2 s), one client per proxy."""
     engine = async_llm.llm_engine
     kv = engine.kv_transfer_config
     extra = kv.kv_connector_extra_config if kv is not None else {}
-    if args.registry is not None:
-        proxy_host, _, proxy_port = args.registry.rpartition(":")
-    elif "proxy_ip" in extra and "proxy_port" in extra:
-        proxy_host, proxy_port = extra["proxy_ip"], extra["proxy_port"]
-    else:
-        return None
+    if not proxies:
+        return []
     secret = extra.get("shared_secret") or os.environ.get(SECRET_ENV)
     host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
     if kv is not None and kv.kv_connector == "P2pConnector":
@@ -265,21 +270,22 @@ def start_registration(
             boot_id=boot_id,
         )
 
+    where = ", ".join(f"{proxy_host}:{proxy_port}" for proxy_host, proxy_port in proxies)
     try:
-        client = RegistrationClient(
-            proxy_host,
-            int(proxy_port),
-            me,
-            describe,
-            secret.encode() if secret else None,
-            float(extra.get("proxy_heartbeat_s", 2.0)),
-        )
-        describe()  # a registration the proxy would refuse fails here, at startup
+        describe()  # a registration the proxies would refuse fails here, at startup
     except ValueError as e:
-        raise ValueError(f"--registry {proxy_host}:{proxy_port}: {e}") from None
-    client.start()
-    logger.info("registering as %s with the proxy at %s:%s", role, proxy_host, proxy_port)
-    return client
+        raise ValueError(f"registering with {where}: {e}") from None
+    interval_s = float(extra.get("proxy_heartbeat_s", 2.0))
+    clients = [
+        RegistrationClient(
+            proxy_host, proxy_port, me, describe, secret.encode() if secret else None, interval_s
+        )
+        for proxy_host, proxy_port in proxies
+    ]
+    for client in clients:
+        client.start()
+    logger.info("registering as %s with the proxies at %s", role, where)
+    return clients
 
 
 def _reachable(endpoint: str, host: str) -> str:

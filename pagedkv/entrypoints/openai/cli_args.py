@@ -7,8 +7,17 @@ import os
 
 from pagedkv.arg_types import port, positive_float
 from pagedkv.engine.engine_args import EngineArgs
+from pagedkv.kv_transfer.p2p.protocol import parse_host_ports
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+def registry_addresses(text: str) -> list[tuple[str, int]]:
+    """``--registry``'s proxies: a bad entry is a one-line usage error naming it."""
+    try:
+        return parse_host_ports(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT[,HOST:PORT...]: {e}") from None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -40,10 +49,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--registry",
+        type=registry_addresses,
         default=None,
-        metavar="HOST:PORT",
-        help="register with a pagedkv proxy's registry (heartbeats; its role, model, prefix "
-        "hashing and KV events endpoint): a replica without the P2P connector, a P or D with it",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="register with pagedkv proxies' registries (heartbeats; its role, model, prefix "
+        "hashing and KV events endpoint), each proxy independently: a replica without the P2P "
+        "connector, a P or D with it (overrides kv_connector_extra_config.proxies)",
     )
     g.add_argument(
         "--log-level",

@@ -6,7 +6,8 @@ a D that prefills the request itself (conditional disaggregation, ``--fallback l
 the request as sent. A P/D pair, per request (concurrent dispatch: no extra round trip before
 D starts)::
 
-    transfer_id = a fresh uuid (the proxy's own: never derived from request ids)
+    transfer_id = a fresh uuid4 (the proxy's own: never derived from request ids; random, so
+                  proxies serving the same instances never mint the same one)
     P  <- the request, max_tokens=1, stream=false, kv_transfer_params={do_remote_decode,
           transfer_id, remote_engine_id/host/port = D's KV address}    (its answer is dropped)
     D  <- the request as sent,   kv_transfer_params={do_remote_prefill, transfer_id,

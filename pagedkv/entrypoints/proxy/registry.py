@@ -1,8 +1,11 @@
 """Service discovery for the proxy: instances announce themselves over ZMQ with heartbeats.
 
-Each ``pagedkv serve --registry HOST:PORT`` (or, with the P2P connector,
-``kv_connector_extra_config.proxy_ip``/``proxy_port``) runs a ``RegistrationClient`` that sends
-a ``Register`` every ``proxy_heartbeat_s`` (2 s) to the proxy's registry ROUTER. The envelope's
+Each ``pagedkv serve --registry HOST:PORT[,HOST:PORT...]`` (or, with the P2P connector,
+``kv_connector_extra_config.proxies``, or ``proxy_ip``/``proxy_port``) runs a
+``RegistrationClient`` (``registration_client.py``) per proxy that sends a ``Register`` every
+``proxy_heartbeat_s`` (2 s) to that proxy's registry ROUTER. Every heartbeat is a whole
+registration, so a proxy that restarts knows every live instance after one heartbeat, and
+several proxies can serve the same instances. The envelope's
 sender is the instance's KV address (engine id, kv_ip, kv_port), or for an instance without the
 P2P connector (role ``plain``: a replica, never paired) its HTTP address; the message adds its
 role, HTTP URL, model, model fingerprint and KV layout (the proxy pairs only equal
@@ -31,7 +34,6 @@ from dataclasses import dataclass
 
 import httpx
 import msgspec
-import zmq
 
 from pagedkv.kv_cache.block_hash import HASH_FUNCTIONS
 from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
@@ -337,88 +339,3 @@ def _identity(info: Register) -> tuple:
         info.kv_events_topic,
         info.num_kv_cache_groups,
     )
-
-
-class RegistrationClient:
-    """The instance's side: a thread that sends ``Register`` heartbeats to the proxy and reads
-    its answers (logging a refusal, or an authentication mismatch, at WARNING)."""
-
-    def __init__(
-        self,
-        proxy_host: str,
-        proxy_port: int,
-        me: PeerAddr,
-        describe: Callable[[], Register],
-        secret: bytes | None,
-        interval_s: float = 2.0,
-    ) -> None:
-        self._endpoint = f"tcp://{proxy_host}:{proxy_port}"
-        self._me = me
-        self._describe = describe
-        self._codec = registry_codec(secret)
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._log = RateLimitedLog(logger)
-        #: The proxy's last answer: a Registered, a Refused, or a ProtocolError (None: none).
-        self.last_answer: msgspec.Struct | ProtocolError | None = None
-        self._thread = threading.Thread(target=self._run, name="proxy-registration", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        ctx = zmq.Context()
-        socket = ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 500)
-        socket.setsockopt(zmq.SNDHWM, 10)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REGISTRY_MESSAGE_BYTES * 4)
-        socket.connect(self._endpoint)
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        next_beat = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + self._interval_s
-                    self._beat(socket)
-                wait_ms = min(100, max(1, int((next_beat - now) * 1000)))
-                if poller.poll(wait_ms):
-                    self._on_answer(socket.recv_multipart(zmq.NOBLOCK))
-            socket.send_multipart(self._codec.encode(Deregister(), self._me), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        finally:
-            socket.close()
-            ctx.term()
-
-    def _beat(self, socket: zmq.Socket) -> None:
-        try:
-            socket.send_multipart(self._codec.encode(self._describe(), self._me), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the proxy is not there (yet): the next heartbeat tries again
-        except Exception:
-            logger.exception("registration heartbeat failed (continuing)")
-
-    def _on_answer(self, frames: list[bytes]) -> None:
-        where = self._endpoint
-        try:
-            _, answer = self._codec.decode(frames)
-        except ProtocolError as e:
-            self.last_answer = e
-            self._log.warning(e.reason, "the proxy at %s: its answer was refused: %s", where, e)
-            return
-        previous, self.last_answer = self.last_answer, answer
-        if isinstance(answer, Refused):
-            self._log.warning(
-                answer.reason, "the proxy at %s refused this instance: %s", where, answer.reason
-            )
-        elif isinstance(answer, Registered) and answer != previous:
-            if answer.note:
-                logger.warning("registered with the proxy at %s, but: %s", where, answer.note)
-            else:
-                logger.info("registered with the proxy at %s", where)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

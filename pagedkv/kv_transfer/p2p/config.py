@@ -10,8 +10,9 @@ from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 SECRET_ENV = "PAGEDKV_KV_SECRET"
-#: Extra-config keys read by ``pagedkv serve`` (registration with a ``pagedkv proxy``).
-SERVER_KEYS = ("proxy_ip", "proxy_port", "proxy_heartbeat_s")
+#: Extra-config keys read by ``pagedkv serve`` (registration with ``pagedkv proxy``s:
+#: ``proxies``, a list of "HOST:PORT", or one proxy as ``proxy_ip``/``proxy_port``).
+SERVER_KEYS = ("proxies", "proxy_ip", "proxy_port", "proxy_heartbeat_s")
 
 
 @dataclass(frozen=True)

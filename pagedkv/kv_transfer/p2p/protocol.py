@@ -64,6 +64,25 @@ def check_port(port: int) -> None:
         raise ValueError(f"port must be an integer in 1..65535, got {port!r:.80}")
 
 
+def parse_host_ports(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT[,HOST:PORT...]`` as (host, port) pairs: each host passes ``check_host``, each
+    port ``check_port``, none is listed twice; a ValueError names the bad entry."""
+    addresses: list[tuple[str, int]] = []
+    for entry in (part.strip() for part in text.split(",")):
+        host, sep, port = entry.rpartition(":")
+        try:
+            if not sep or not (port.isascii() and port.isdigit()):
+                raise ValueError("not HOST:PORT")
+            check_host(host)
+            check_port(int(port))
+        except ValueError as e:
+            raise ValueError(f"{entry!r:.80}: {e}") from None
+        if (host, int(port)) in addresses:
+            raise ValueError(f"{entry!r:.80} is listed twice")
+        addresses.append((host, int(port)))
+    return addresses
+
+
 def is_loopback(host: str) -> bool:
     """``host`` only reaches this machine (127.0.0.0/8, ::1, localhost)."""
     if host == "localhost":
