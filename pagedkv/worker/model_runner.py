@@ -20,13 +20,8 @@ from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.cpu_argmax import load_cpu_argmax
-from pagedkv.model.cpu_decode_layer import attach as attach_decode_layer
-from pagedkv.model.cpu_gemv import attach as attach_gemv
-from pagedkv.model.cpu_gemv import load_cpu_gemv
-from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
-from pagedkv.model.cpu_onednn import attach as attach_onednn
+from pagedkv.model.cpu_kernel_setup import attach_cpu_kernels
 from pagedkv.model.generation_config import GenerationDefaults
-from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
     SAMPLING_EPS,
@@ -110,18 +105,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
         compiled_cpu = not args.enforce_eager and self.device.type == "cpu"
-        if compiled_cpu and self.dtype == torch.float32:
-            ops = load_cpu_layer_ops()
-            if ops is not None:
-                attach(self.model, ops)
-            gemv = load_cpu_gemv()
-            if gemv is not None:
-                attach_gemv(self.model, gemv)
-            attach_decode_layer(self.model)
-            attach_onednn(self.model)
-        for module in self.model.modules():
-            if isinstance(module, LMHead):
-                module.release_unused_copy()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            attach_cpu_kernels(self.model, compiled_cpu, args.retune_kernels)
         #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
         self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config
