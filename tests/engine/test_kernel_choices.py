@@ -95,7 +95,8 @@ def test_a_restart_under_load_applies_the_first_starts_choices(first_start, cpu_
 
 def test_the_engine_obeys_the_file_over_its_own_timing(first_start, tmp_path) -> None:
     """A file holding the opposite of every choice timed here: the engine applies the file's
-    choices, not its own, and times nothing; outputs stay the model's up to fp32 rounding."""
+    choices, not its own, and times nothing; outputs stay the model's up to fp32 rounding
+    (carried through six layers of a random model: differences of a few 1e-4 here)."""
     _, first = first_start
     flipped = {key: not value for key, value in first["applied"].items()}
     first_file = choices_file(first_start[0])
@@ -109,7 +110,7 @@ def test_the_engine_obeys_the_file_over_its_own_timing(first_start, tmp_path) ->
             shared = got_values.keys() & want_values.keys()  # the prompt's token at least
             assert shared
             for token in shared:
-                assert got_values[token] == pytest.approx(want_values[token], abs=1e-4)
+                assert got_values[token] == pytest.approx(want_values[token], abs=2e-3)
 
 
 def test_retune_times_again_and_rewrites_the_file(first_start, tmp_path) -> None:
