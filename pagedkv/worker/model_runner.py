@@ -8,6 +8,9 @@ that stops mid-prompt produces nothing); prefill and decode return the same resu
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
@@ -39,6 +42,9 @@ from pagedkv.worker.model_runner_output import (
     Logprobs,
     ModelRunnerOutput,
 )
+from pagedkv.worker.warm_up import warm_up_steps
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +126,8 @@ class ModelRunner:
         self.layer_names = [f"layers.{i}" for i in range(self.model_config.num_hidden_layers)]
         #: The worker half of a KV connector (duck-typed: this layer does not import it).
         self.kv_connector = None
+        #: Every path a request can take has run once (``warm_up``).
+        self.warmed_up = False
 
     # ------------------------------------------------------------------ KV cache
     def default_kv_cache_memory(self) -> int | None:
@@ -216,6 +224,27 @@ class ModelRunner:
             row = batch.req_id_to_index[cached.req_id]
             batch.block_table.append_row(cached.new_block_ids, row)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def warm_up(self) -> None:
+        """Run every path a request can take once (``warm_up.warm_up_steps``), before any KV
+        connector is attached: the first request then pays no first-call costs. Leaves no
+        request, no written KV (the null block is zeroed again) and the global generator as
+        it was."""
+        if self.kv_connector is not None:
+            raise RuntimeError("warm_up runs before a KV connector is attached")
+        start = time.perf_counter()
+        steps = warm_up_steps(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.group_block_sizes,
+            self.max_num_reqs,
+        )
+        for step in steps:
+            self.execute_model(step)
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()
+        self.warmed_up = True
+        logger.info("warm-up: %d steps in %.2f s", len(steps), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
     def set_kv_connector(self, connector) -> None:
