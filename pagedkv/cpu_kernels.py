@@ -1,11 +1,11 @@
 """The compiled CPU kernels (``csrc/*.cpp``): one library, built once per machine, cached.
 
 The sources are plain C++ with a C ABI (no torch headers), so the machine's compiler (``$CXX``,
-else ``c++``) builds them in a few seconds; the library is cached under
-``$XDG_CACHE_HOME/pagedkv`` (default ``~/.cache/pagedkv``) by a name hashed from the sources,
-the flags and this CPU (``-march=native`` code only runs here). A build writes a temporary file
-and renames it into place, so concurrent first starts need no lock and a killed build leaves
-nothing half-written behind. Without a compiler the callers use torch ops, with one warning.
+else ``c++``) builds them in a few seconds; the library is cached in ``local_cache.cache_dir()``
+by a name hashed from the sources, the flags and this CPU (``-march=native`` code only runs
+here). A build is written by ``local_cache.replacing``, so concurrent first starts need no lock
+and a killed build leaves nothing half-written behind. Without a compiler the callers use torch
+ops, with one warning.
 Each kernel's wrapper (``attention/cpu_paged_attention.py``, ``model/cpu_layer_ops.py``)
 checks shapes and dtypes before a pointer crosses.
 """
@@ -18,9 +18,10 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from pagedkv.local_cache import cache_dir, cpu_description, replacing
 
 logger = logging.getLogger(__name__)
 
@@ -34,30 +35,21 @@ _LINK_FLAGS = ["-shared", "-fopenmp"]
 BUILD_TIMEOUT_S = 120.0
 
 
-def _library_path() -> Path:
+def library_path() -> Path:
     """Unique per sources, flags and CPU, so a library under this name is always the right one."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    cpu = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
     sources = [f"{path.name}\n{path.read_text()}" for path in (*_SOURCES, *_HEADERS)]
-    key = "\n".join([*sources, *_COMPILE_FLAGS, *_LINK_FLAGS, *cpu])
-    name = f"pagedkv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedkv"
-    return cache / name
+    key = "\n".join([*sources, *_COMPILE_FLAGS, *_LINK_FLAGS, *cpu_description()])
+    return cache_dir() / f"pagedkv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
 
 
 def _build(library: Path) -> None:
-    """Compile each source and link them into a temporary file beside ``library``, then rename
-    it into place."""
+    """Compile each source and link them into ``library``."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise OSError("no C++ compiler ($CXX, c++ or g++)")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        objects = [str(Path(scratch) / f"{source.stem}.o") for source in _SOURCES]
-        built = Path(scratch) / library.name
+    with replacing(library) as scratch:
+        objects = [str(scratch / f"{source.stem}.o") for source in _SOURCES]
+        built = scratch / library.name
         steps = [
             [compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", obj]
             for source, obj in zip(_SOURCES, objects)
@@ -67,7 +59,6 @@ def _build(library: Path) -> None:
             result = subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise OSError(f"{' '.join(argv)} failed: {result.stderr.strip()[:500]}")
-        os.replace(built, library)
 
 
 _loaded: dict[Path, ctypes.CDLL | None] = {}
@@ -76,7 +67,7 @@ _loaded: dict[Path, ctypes.CDLL | None] = {}
 def load_cpu_kernels() -> ctypes.CDLL | None:
     """The library, built here on first use; None, warned once per process, when it cannot be
     built or loaded."""
-    library = _library_path()
+    library = library_path()
     if library in _loaded:
         return _loaded[library]
     handle = None

@@ -79,6 +79,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     enforce_eager: bool = False
+    retune_kernels: bool = False
     kv_transfer_config: dict | None = field(default=None)
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
@@ -190,6 +191,14 @@ class EngineArgs:
             help="no kernels compiled at startup (CPU: attention gathers blocks and runs SDPA "
             "instead of the compiled paged decode and prefill kernels; norms, activations, "
             "RoPE, one-row projections and the greedy argmax run as torch ops)",
+        )
+        g.add_argument(
+            "--retune-kernels",
+            action="store_true",
+            help="time again which of two equivalent CPU kernels each fp32 product takes "
+            "(oneDNN or MKL, the LM head's layouts) and rewrite the per-machine file that "
+            "keeps the choices (also $PAGEDKV_RETUNE_KERNELS=1); without it a start reads "
+            "the file, so restarts give the same outputs",
         )
         g.add_argument(
             "--kv-transfer-config",

@@ -96,14 +96,11 @@ def load_cpu_gemv() -> CpuGemv | None:
 
 def attach(model: nn.Module, gemv: CpuGemv) -> int:
     """Give ``gemv`` to every ``Linear`` (the LM head included) of ``model``, which must run in
-    fp32 on the CPU, and let the LM head time which of its layouts the GEMV reads faster;
-    returns how many modules took it."""
+    fp32 on the CPU; returns how many modules took it. The LM head then chooses which of its
+    layouts the GEMV reads (``LMHead.choose_gemv_layout``)."""
     from pagedkv.model.linear import Linear
-    from pagedkv.model.lm_head import LMHead
 
     modules = [m for m in model.modules() if isinstance(m, Linear)]
     for module in modules:
         module.cpu_gemv = gemv
-        if isinstance(module, LMHead):
-            module.choose_gemv_layout()
     return len(modules)

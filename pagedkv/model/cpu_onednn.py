@@ -8,10 +8,11 @@ also prepacks linear weights for oneDNN; torch's inductor does it with these two
 (``mkldnn._reorder_linear_weight``, ``mkldnn._linear_pointwise``).
 
 ``attach`` gives each ``Linear`` (the LM head included) a packed copy of its weight where one
-batch of ``TUNE_ROWS`` rows ran faster through it than through MKL, timed per weight shape at
-startup; elsewhere (a CPU where MKL is as fast) nothing changes. The copy costs the weight's
-size again (the input-major weight stays, for the one-row GEMV and ``--enforce-eager``), so
-nothing is packed where the copies would take more than half of the memory available.
+batch of ``TUNE_ROWS`` rows ran faster through it than through MKL, timed once per weight shape
+and machine (``tuning.KernelChoices``); elsewhere (a CPU where MKL is as fast) nothing
+changes. The copy costs the weight's size again (the input-major weight stays, for the one-row
+GEMV and ``--enforce-eager``), so nothing is packed where the copies would take more than half
+of the memory available.
 Values equal MKL's up to fp32 rounding (sums in another order).
 """
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedkv.model.tuning import TUNE_ROWS, first_is_faster
+from pagedkv.model.tuning import TUNE_ROWS, KernelChoices
 
 if TYPE_CHECKING:
     from pagedkv.model.linear import Linear
@@ -55,14 +56,21 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _packed_is_faster(module: Linear, packed: torch.Tensor, repeats: int = 3) -> bool:
+def _packed_is_faster(
+    module: Linear, packed: torch.Tensor, choices: KernelChoices, repeats: int = 3
+) -> bool:
     """One ``TUNE_ROWS`` batch through ``packed`` and through ``module``'s MKL path: whether
-    the packed copy has the smaller median (``tuning.first_is_faster``). Leaves ``module``
-    without a packed copy."""
+    the packed copy has the smaller median, as ``choices`` holds it or times it now. Leaves
+    ``module`` without a packed copy."""
     module.weight_packed = None
     x = torch.full((TUNE_ROWS, module.weight.shape[0]), 0.5)
-    return first_is_faster(
-        lambda: packed_matmul(x, packed, module.bias), lambda: module(x), repeats
+    in_features, out_features = module.weight.shape
+    bias = "" if module.bias is None else " + bias"
+    return choices.first_is_faster(
+        f"oneDNN over MKL: {type(module).__name__} {in_features}x{out_features}{bias}",
+        lambda: packed_matmul(x, packed, module.bias),
+        lambda: module(x),
+        repeats,
     )
 
 
@@ -74,11 +82,12 @@ def _available_memory() -> int | None:
         return None
 
 
-def attach(model: nn.Module) -> int:
+def attach(model: nn.Module, choices: KernelChoices) -> int:
     """Give every ``Linear`` of ``model`` (fp32 on the CPU, weights loaded) a packed copy of its
-    weight where oneDNN timed faster for its shape; returns how many took one. Shapes are timed
-    once each, without touching the global RNG. None is packed where torch has no oneDNN, or
-    where the copies would take more than half of the memory available."""
+    weight where oneDNN is faster for its shape (``choices``' answer); returns how many took
+    one. Shapes are timed (where ``choices`` has no answer) once each, without touching the
+    global RNG. None is packed where torch has no oneDNN, or where the copies would take more
+    than half of the memory available."""
     from pagedkv.model.linear import Linear
 
     if not onednn_available():
@@ -93,7 +102,7 @@ def attach(model: nn.Module) -> int:
     for module in linears:
         if shape(module) not in faster:
             packed[id(module)] = pack_weight(module.weight.detach())
-            faster[shape(module)] = _packed_is_faster(module, packed[id(module)])
+            faster[shape(module)] = _packed_is_faster(module, packed[id(module)], choices)
     chosen = [m for m in linears if faster[shape(m)]]
     needed = sum(m.weight.numel() * m.weight.element_size() for m in chosen)
     available = _available_memory()
@@ -109,8 +118,4 @@ def attach(model: nn.Module) -> int:
         module.weight_packed = (
             timed_copy if timed_copy is not None else pack_weight(module.weight.detach())
         )
-    logger.info(
-        "oneDNN packed weights for %d of %d linear layers (%.1f MB more)",
-        len(chosen), len(linears), needed / 2**20,
-    )  # fmt: skip
     return len(chosen)

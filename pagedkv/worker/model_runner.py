@@ -8,6 +8,9 @@ that stops mid-prompt produces nothing); prefill and decode return the same resu
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import torch
 
@@ -20,13 +23,8 @@ from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.cpu_argmax import load_cpu_argmax
-from pagedkv.model.cpu_decode_layer import attach as attach_decode_layer
-from pagedkv.model.cpu_gemv import attach as attach_gemv
-from pagedkv.model.cpu_gemv import load_cpu_gemv
-from pagedkv.model.cpu_layer_ops import attach, load_cpu_layer_ops
-from pagedkv.model.cpu_onednn import attach as attach_onednn
+from pagedkv.model.cpu_kernel_setup import attach_cpu_kernels
 from pagedkv.model.generation_config import GenerationDefaults
-from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
 from pagedkv.model.sampler import (
     SAMPLING_EPS,
@@ -44,6 +42,9 @@ from pagedkv.worker.model_runner_output import (
     Logprobs,
     ModelRunnerOutput,
 )
+from pagedkv.worker.warm_up import warm_up_steps
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,18 +110,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
         self.model = load_model(model_path, self.dtype, self.device)
         compiled_cpu = not args.enforce_eager and self.device.type == "cpu"
-        if compiled_cpu and self.dtype == torch.float32:
-            ops = load_cpu_layer_ops()
-            if ops is not None:
-                attach(self.model, ops)
-            gemv = load_cpu_gemv()
-            if gemv is not None:
-                attach_gemv(self.model, gemv)
-            attach_decode_layer(self.model)
-            attach_onednn(self.model)
-        for module in self.model.modules():
-            if isinstance(module, LMHead):
-                module.release_unused_copy()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            attach_cpu_kernels(self.model, compiled_cpu, args.retune_kernels)
         #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
         self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config
@@ -134,6 +125,8 @@ class ModelRunner:
         self.layer_names = [f"layers.{i}" for i in range(self.model_config.num_hidden_layers)]
         #: The worker half of a KV connector (duck-typed: this layer does not import it).
         self.kv_connector = None
+        #: Every path a request can take has run once (``warm_up``).
+        self.warmed_up = False
 
     # ------------------------------------------------------------------ KV cache
     def default_kv_cache_memory(self) -> int | None:
@@ -233,6 +226,27 @@ class ModelRunner:
             row = batch.req_id_to_index[cached.req_id]
             batch.block_table.append_row(cached.new_block_ids, row)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def warm_up(self) -> None:
+        """Run every path a request can take once (``warm_up.warm_up_steps``), before any KV
+        connector is attached: the first request then pays no first-call costs. Leaves no
+        request, no written KV (the null block is zeroed again) and the global generator as
+        it was."""
+        if self.kv_connector is not None:
+            raise RuntimeError("warm_up runs before a KV connector is attached")
+        start = time.perf_counter()
+        steps = warm_up_steps(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.group_block_sizes,
+            self.max_num_reqs,
+        )
+        for step in steps:
+            self.execute_model(step)
+        for cache in self.kv_caches:
+            cache[:, 0].zero_()
+        self.warmed_up = True
+        logger.info("warm-up: %d steps in %.2f s", len(steps), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
     def set_kv_connector(self, connector) -> None:

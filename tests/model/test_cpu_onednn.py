@@ -13,6 +13,7 @@ from pagedkv.model.cpu_onednn import onednn_available, pack_weight, packed_matmu
 from pagedkv.model.linear import Linear
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.loader import load_model
+from pagedkv.model.tuning import KernelChoices
 from tests.model.test_models import hf_greedy, paged_greedy
 from tests.tiny_models import CONFIGS, build_checkpoint, random_prompt
 
@@ -68,32 +69,31 @@ def test_linear_and_lm_head_batches_go_through_the_packed_copy() -> None:
         assert module(x).abs().sum() > 0, "the batch went through the packed copy"
 
 
-def test_attach_times_each_shape_once_and_keeps_the_products(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_attach_times_each_shape_once_and_keeps_the_products(tmp_path: Path) -> None:
     """Whatever the timing decides, logits stay the weights' products, and each distinct
-    weight shape is timed once (two layers share four shapes; the LM head is its own)."""
+    weight shape is timed once (two layers share four shapes; the LM head is its own) and
+    saved: a second attach to a fresh model times nothing and packs the same layers."""
     build_checkpoint(tmp_path, CONFIGS["llama"]())
     model = load_model(tmp_path)
     hidden = _randn(5, model.config.hidden_size, seed=7)
     with torch.inference_mode():
         before = model.compute_logits(hidden)
-    timed: list[tuple] = []
-    original = cpu_onednn._packed_is_faster
-
-    def recorded(module: Linear, packed: torch.Tensor, repeats: int = 3) -> bool:
-        timed.append(tuple(module.weight.shape))
-        return original(module, packed, repeats)
-
-    monkeypatch.setattr(cpu_onednn, "_packed_is_faster", recorded)
+    path = tmp_path / "choices.json"
+    choices = KernelChoices(path)
     state = torch.random.get_rng_state()
-    taken = cpu_onednn.attach(model)
+    taken = cpu_onednn.attach(model, choices)
     assert torch.equal(torch.random.get_rng_state(), state)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(timed) == 5 and len(linears) == 9
+    assert choices.source.startswith("5 timed now") and len(linears) == 9
     assert taken == sum(m.weight_packed is not None for m in linears)
     with torch.inference_mode():
         torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-4, atol=1e-4)
+    choices.save()
+    again, fresh = KernelChoices(path), load_model(tmp_path)
+    assert cpu_onednn.attach(fresh, again) == taken
+    assert again.source == f"cached in {path}"
+    packed = [m.weight_packed is not None for m in fresh.modules() if isinstance(m, Linear)]
+    assert packed == [m.weight_packed is not None for m in linears]
 
 
 def test_nothing_is_packed_where_the_copies_would_crowd_memory(
@@ -102,12 +102,13 @@ def test_nothing_is_packed_where_the_copies_would_crowd_memory(
     """Copies needing more than half of the available memory: MKL for every layer."""
     build_checkpoint(tmp_path, CONFIGS["llama"]())
     model = load_model(tmp_path)
-    monkeypatch.setattr(cpu_onednn, "_packed_is_faster", lambda module, packed: True)
+    monkeypatch.setattr(cpu_onednn, "_packed_is_faster", lambda module, packed, choices: True)
     monkeypatch.setattr(cpu_onednn, "_available_memory", lambda: 2**10)
-    assert cpu_onednn.attach(model) == 0
+    choices = KernelChoices(tmp_path / "choices.json")
+    assert cpu_onednn.attach(model, choices) == 0
     assert all(m.weight_packed is None for m in model.modules() if isinstance(m, Linear))
     monkeypatch.setattr(cpu_onednn, "_available_memory", lambda: 2**40)
-    assert cpu_onednn.attach(model) == 9
+    assert cpu_onednn.attach(model, choices) == 9
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral_window"])

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from pagedkv.model.lm_head import LMHead
+from pagedkv.model.tuning import KernelChoices
 
 
 def _head(dtype: torch.dtype) -> LMHead:
@@ -21,19 +24,38 @@ def _head(dtype: torch.dtype) -> LMHead:
 def test_every_batch_size_gets_the_products_of_the_loaded_weight(
     num_rows: int, batches_by_vocab: bool
 ) -> None:
-    """Whichever layout ``prepare`` timed faster for batches."""
+    """Whichever layout ``choose_batch_layout`` timed faster for batches."""
     head = _head(torch.float32)
     head.batches_by_vocab = batches_by_vocab
     x = torch.randn(num_rows, 48, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(head(x), x.double().mm(head.weight.double()).float())
 
 
-def test_prepare_times_the_layouts_without_touching_the_global_generator() -> None:
+def test_the_layouts_are_timed_once_per_machine_without_the_global_generator(tmp_path) -> None:
+    """Both choices are timed once, saved, and read back by the next head of the same shape;
+    nothing draws from the global generator. Without the copy (bf16) nothing is timed."""
+    from pagedkv.model.cpu_gemv import load_cpu_gemv
+
     state = torch.random.get_rng_state()
-    head = _head(torch.float32)
-    assert isinstance(head.batches_by_vocab, bool)
+    path = tmp_path / "choices.json"
+    for start in range(2):
+        choices = KernelChoices(path)
+        head = _head(torch.float32)
+        head.cpu_gemv = load_cpu_gemv()
+        head.choose_batch_layout(choices)
+        head.choose_gemv_layout(choices)
+        choices.save()
+        saved = json.loads(path.read_text())["choices"]
+        assert saved == {
+            "LM head batches by vocab over by hidden: 48x1000": head.batches_by_vocab,
+            "LM head one row by vocab over by hidden: 48x1000": head.gemv_by_vocab,
+        }
+        timed, cached = f"2 timed now; saved to {path}", f"cached in {path}"
+        assert choices.source == (timed if start == 0 else cached)
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert _head(torch.bfloat16).batches_by_vocab is False  # no copy, nothing to time
+    bf16 = _head(torch.bfloat16)
+    bf16.choose_batch_layout(KernelChoices(tmp_path / "bf16.json"))
+    assert bf16.batches_by_vocab is False and bf16.weight_by_vocab is None
 
 
 def test_the_vocab_major_copy_is_made_only_for_fp32_on_cpu() -> None:
@@ -78,7 +100,6 @@ def test_the_copy_is_kept_exactly_while_one_rows_or_batches_read_it(
     head = _head(torch.float32)
     head.batches_by_vocab = True
     head.cpu_gemv = load_cpu_gemv()
-    head.choose_gemv_layout()
     head.gemv_by_vocab = gemv_by_vocab
     head.weight_packed = pack_weight(head.weight.detach()) if packed else None
     head.release_unused_copy()
