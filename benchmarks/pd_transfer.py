@@ -105,10 +105,9 @@ def block_ids(num_cache_blocks: int, n: int, placement: str, gen: torch.Generato
 
 def _peer(role: str, conn, args: dict) -> None:
     """One side of the bandwidth test (a spawned process). Commands arrive as JSON."""
-    from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
     from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
     from pagedkv.kv_transfer.p2p.pair_group import PairGroups
-    from pagedkv.kv_transfer.p2p.protocol import Codec, Hello, PeerAddr, StoreSet, XferBegin
+    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Hello, StoreSet, XferBegin
     from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
     from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
     from pagedkv.kv_transfer.p2p.send_pool import SendPool
@@ -118,6 +117,9 @@ def _peer(role: str, conn, args: dict) -> None:
         chunk_blocks_for,
         plan_segments,
     )
+    from pagedkv.transport.codec import Codec
+    from pagedkv.transport.control_plane import ControlPlane
+    from pagedkv.transport.peer_addr import PeerAddr
 
     class Load:  # a receive target, as D's load records are; cancelled: received, not stored
         def __init__(self, cancelled: bool) -> None:
@@ -136,7 +138,7 @@ def _peer(role: str, conn, args: dict) -> None:
         holder["lane"].submit(begin)
 
     plane = ControlPlane(
-        Codec("bench", None, 1 << 20),
+        Codec("bench", None, 1 << 20, MESSAGE_TYPES),
         me,
         {
             Hello: lambda peer, m: holder["groups"].on_hello(peer, m),

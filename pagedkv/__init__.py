@@ -27,7 +27,7 @@ def __getattr__(name: str):
 
         return EngineArgs
     if name == "SamplingParams":
-        from pagedkv.engine.sampling_params import SamplingParams
+        from pagedkv.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":

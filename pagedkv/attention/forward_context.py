@@ -8,6 +8,7 @@ import torch
 
 from pagedkv.attention.backends.base import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.kv_connector.base import KVConnectorWorker
 
 
 @dataclass(slots=True)
@@ -24,4 +25,4 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     attn_metadata: list[AttentionMetadata]
     backend: AttentionBackend
-    kv_connector: object | None = None
+    kv_connector: KVConnectorWorker | None = None

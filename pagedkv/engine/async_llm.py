@@ -28,8 +28,8 @@ from typing import Protocol
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, NewRequest, PromptType
 from pagedkv.engine.outputs import RequestOutput, merge_deltas
-from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedkv.engine.scheduler_stats import SchedulerStats
+from pagedkv.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
-from pagedkv.kv_transfer.base import KVConnectorBase
-from pagedkv.worker.model_runner_output import KVConnectorOutput
+from pagedkv.kv_connector.base import KVConnectorBase
+from pagedkv.kv_connector.output import KVConnectorOutput
 
 
 class ExternalTokens(NamedTuple):

@@ -13,7 +13,7 @@ from pagedkv.engine.chat_template import render_chat
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedkv.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -20,18 +20,18 @@ from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_stats import SchedulerStats
+from pagedkv.engine.structured_output_manager import StructuredOutputManager
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
 from pagedkv.model.tokenizer import load_hf_tokenizer
-from pagedkv.structured_output.manager import StructuredOutputManager
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
 

@@ -24,7 +24,7 @@ from pagedkv.engine.outputs import (
     RequestOutput,
 )
 from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedkv.sampling_params import RequestOutputKind, SamplingParams
 from pagedkv.worker.model_runner_output import Logprobs
 
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.kv_cache.block_hash import BlockHash, BlockHasher
+from pagedkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pagedkv.structured_output.backend_guidance import Grammar

@@ -24,11 +24,12 @@ from pagedkv.engine.kv_transfer_tracker import NO_EXTERNAL_TOKENS, KVTransferTra
 from pagedkv.engine.outputs import EngineCoreOutput
 from pagedkv.engine.request import Request, RequestStatus
 from pagedkv.engine.request_queue import create_request_queue
-from pagedkv.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from pagedkv.kv_transfer.base import KVConnectorBase
-from pagedkv.worker.model_runner_output import KVConnectorOutput, ModelRunnerOutput
+from pagedkv.kv_connector.base import KVConnectorBase
+from pagedkv.kv_connector.output import KVConnectorOutput
+from pagedkv.worker.model_runner_output import ModelRunnerOutput
+from pagedkv.worker.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class AdmissionOutcome(enum.Enum):

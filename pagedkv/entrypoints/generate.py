@@ -10,7 +10,7 @@ from typing import TextIO
 from pagedkv.arg_types import unescaped
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.sampling_params import SamplingParams
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -43,7 +43,7 @@ from pagedkv.kv_events.wire import (
     encode_seq,
     to_wire,
 )
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from pagedkv.kv_events.wire import (
     decode_seq,
     encode_seq,
 )
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

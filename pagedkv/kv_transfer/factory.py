@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorWorker
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorWorker
+from pagedkv.kv_connector.config import KVTransferConfig
 
 # name -> (scheduler half, worker half), as "module:Class".
 _CONNECTORS: dict[str, tuple[str, str]] = {}

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv.engine.sampling_params import StructuredOutputsParams
+from pagedkv.sampling_params import StructuredOutputsParams
 from pagedkv.utils import cdiv
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.kv_cache.block_table import MultiGroupBlockTable
 from pagedkv.model.sampler import SAMPLING_EPS
+from pagedkv.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -18,9 +18,9 @@ from pagedkv.attention.backends.registry import get_attention_backend
 from pagedkv.attention.forward_context import ForwardContext
 from pagedkv.attention.metadata import AttentionMetadata
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.cpu_argmax import load_cpu_argmax
 from pagedkv.model.cpu_kernel_setup import attach_cpu_kernels
@@ -33,7 +33,6 @@ from pagedkv.model.sampler import (
     compute_prompt_logprobs,
     sample,
 )
-from pagedkv.structured_output.manager import GrammarBitmask
 from pagedkv.utils import cdiv
 from pagedkv.worker.host_memory import keep_freed_host_memory
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
@@ -43,6 +42,7 @@ from pagedkv.worker.model_runner_output import (
     ModelRunnerOutput,
 )
 from pagedkv.worker.resolve import resolve_device, resolve_dtype, resolve_max_model_len
+from pagedkv.worker.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagedkv.worker.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ModelRunner:
         #: Each layer's name in the KV cache config, by layer index (the one place it is made).
         self.layer_names = [f"layers.{i}" for i in range(self.model_config.num_hidden_layers)]
         #: The worker half of a KV connector (duck-typed: this layer does not import it).
-        self.kv_connector = None
+        self.kv_connector: KVConnectorWorker | None = None
         #: Every path a request can take has run once (``warm_up``).
         self.warmed_up = False
 
@@ -217,7 +217,7 @@ class ModelRunner:
         logger.info("warm-up: %d steps in %.2f s", len(steps), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ one step
-    def set_kv_connector(self, connector) -> None:
+    def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Attach a KV connector's worker half; it gets the caches and per-layer hooks."""
         self.kv_connector = connector
         connector.register_kv_caches(self.kv_caches, self.layer_to_group)

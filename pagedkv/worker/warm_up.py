@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedkv.sampling_params import SamplingParams
 from pagedkv.utils import cdiv
+from pagedkv.worker.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 #: Tokens of each dummy prompt (fewer where the context is shorter).
 PROMPT_LEN = 8

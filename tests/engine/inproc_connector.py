@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
-from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorWorker
+from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorMetadata, KVConnectorWorker
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.factory import register_connector
-from pagedkv.worker.model_runner_output import KVConnectorOutput
 
 #: transfer id -> per-layer KV of the producer's blocks (block index order, all groups)
 STORE: dict[str, list[torch.Tensor]] = {}

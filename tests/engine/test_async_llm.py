@@ -12,8 +12,8 @@ import pytest
 from pagedkv import EngineArgs, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.sampling_params import RequestOutputKind
 from pagedkv.engine.scheduler_stats import SchedulerStats
+from pagedkv.sampling_params import RequestOutputKind
 from tests.engine.conftest import assert_all_blocks_free
 from tests.tiny_models import random_prompt
 

@@ -14,11 +14,11 @@ from pagedkv.engine.kv_transfer_tracker import (
     TransferPhase,
 )
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.kv_cache import BlockHasher
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-from pagedkv.worker.model_runner_output import KVConnectorOutput
+from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.output import KVConnectorOutput
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.scheduler_output import SchedulerOutput
 from tests.engine.inproc_connector import InProcConnector
 from tests.kv_cache.helpers import cached_ids, full_spec, make_manager
 

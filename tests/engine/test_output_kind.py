@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.engine.sampling_params import RequestOutputKind
+from pagedkv.sampling_params import RequestOutputKind
 from tests.tiny_models import random_prompt
 
 CUMULATIVE, DELTA, FINAL_ONLY = (

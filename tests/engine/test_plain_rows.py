@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
-from pagedkv.engine.sampling_params import StructuredOutputsParams
+from pagedkv.sampling_params import StructuredOutputsParams
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from tests.engine.conftest import run
 from tests.tiny_models import random_prompt

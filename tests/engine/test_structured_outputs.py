@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
-from pagedkv.engine.sampling_params import StructuredOutputsParams
+from pagedkv.sampling_params import StructuredOutputsParams
 from tests.engine.conftest import assert_all_blocks_free
 
 #: Context 256: prompt + the longest output a schema allows must fit.

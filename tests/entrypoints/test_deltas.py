@@ -11,8 +11,8 @@ import pytest
 
 from pagedkv import EngineArgs, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM
-from pagedkv.engine.sampling_params import RequestOutputKind
 from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
+from pagedkv.sampling_params import RequestOutputKind
 
 
 @pytest.fixture

@@ -50,8 +50,8 @@ def p2p_config(role: str, engine_id: str, port: int | None = None, **extra: Any)
 
 def _fault_control_plane(spec: str) -> None:
     """Drop or delay some of this engine's outgoing control messages (module docstring)."""
-    from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
     from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES
+    from pagedkv.transport.control_plane import ControlPlane
 
     kinds = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
     faults: dict[tuple[str, int], float | None] = {}  # (kind, n) -> delay, or None: drop
@@ -137,7 +137,7 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
     )
     from pagedkv.engine.engine_args import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.engine.sampling_params import SamplingParams
+    from pagedkv.sampling_params import SamplingParams
 
     if hook:
         _apply_hook(hook)

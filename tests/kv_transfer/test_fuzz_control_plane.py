@@ -22,14 +22,10 @@ from pagedkv.entrypoints.proxy.registry import (
     registry_codec,
 )
 from pagedkv.entrypoints.proxy.router import Router
-from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
-from pagedkv.kv_transfer.p2p.protocol import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Codec,
-    PeerAddr,
-    ProtocolError,
-)
+from pagedkv.kv_connector.config import KV_ROLES
+from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES
+from pagedkv.transport.codec import PROTOCOL_VERSION, Codec, ProtocolError
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_transfer.wire import raw_frames
 from tests.ports import free_port
 
@@ -124,7 +120,7 @@ def _decode(codec: Codec, frames: list[bytes]):
 @given(data=st.data())
 def test_decoding_yields_a_declared_message_or_a_protocol_error(data) -> None:
     for secret in (SECRET, None):
-        codec = Codec("fp", secret, 4096)
+        codec = Codec("fp", secret, 4096, MESSAGE_TYPES)
         frames = data.draw(message_frames(codec, MESSAGE_TYPES))
         result = _decode(codec, frames)
         if not isinstance(result, ProtocolError):
@@ -136,7 +132,7 @@ def test_decoding_yields_a_declared_message_or_a_protocol_error(data) -> None:
 @FUZZ
 @given(data=st.data())
 def test_with_a_secret_no_altered_message_is_accepted(data) -> None:
-    codec = Codec("fp", SECRET, 4096)
+    codec = Codec("fp", SECRET, 4096, MESSAGE_TYPES)
     kind, payload = data.draw(payloads(MESSAGE_TYPES).filter(lambda kp: kp[0] in MESSAGE_TYPES))
     original = raw_frames(codec, kind, payload, ("fuzz-a", "127.0.0.1", 5))
     frames = list(original)

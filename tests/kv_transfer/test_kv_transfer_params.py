@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.kv_connector.params import KVTransferParams, asks_for
+from pagedkv.transport.peer_addr import PeerAddr
 
 #: What the proxy sends D (P's address).
 TO_D = {

@@ -19,11 +19,12 @@ from types import SimpleNamespace
 import pytest
 
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_transfer.p2p import outbound as outbound_module
 from pagedkv.kv_transfer.p2p.connector import P2pConnector, P2pConnectorMetadata, SendSpec
-from pagedkv.kv_transfer.p2p.protocol import Heartbeat, PeerAddr
+from pagedkv.kv_transfer.p2p.protocol import Heartbeat
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_cache.helpers import full_spec, make_manager
 from tests.kv_transfer.engine_host import EngineHost, p2p_config
 from tests.kv_transfer.test_p2p_engines import MAX_TOKENS, changes, disaggregate

@@ -404,7 +404,8 @@ def test_fuzzed_control_messages_into_live_listeners_change_no_transfer(shared, 
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Codec
+    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES
+    from pagedkv.transport.codec import Codec
     from tests.kv_transfer.test_fuzz_control_plane import message_frames
 
     p, d = shared.p, shared.d["recompute"]
@@ -412,7 +413,9 @@ def test_fuzzed_control_messages_into_live_listeners_change_no_transfer(shared, 
     expected = reference_outputs("llama", prompts, MAX_TOKENS)
     assert disaggregate(p, d, prompts[:1])[0]["token_ids"] == expected[0]
     rejected_before = p.stats()["connector"]["num_rejected_messages"]
-    codec = Codec(p.stats()["fingerprint"], None, 1 << 20)  # no secret on these engines
+    codec = Codec(
+        p.stats()["fingerprint"], None, 1 << 20, MESSAGE_TYPES
+    )  # no secret on these engines
     ctx = zmq.Context()
     dealers = []
     for host in (p, d):

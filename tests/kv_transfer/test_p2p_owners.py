@@ -13,19 +13,13 @@ import torch
 from pagedkv.kv_transfer.p2p import outbound as outbound_module
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, RemoteLoad, SendSpec
-from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroups
 from pagedkv.kv_transfer.p2p.peers import Peers
-from pagedkv.kv_transfer.p2p.protocol import (
-    Cancel,
-    Hello,
-    Nack,
-    PeerAddr,
-    StoreSet,
-    Want,
-)
+from pagedkv.kv_transfer.p2p.protocol import Cancel, Hello, Nack, StoreSet, Want
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.worker import P2pConnectorWorker
+from pagedkv.transport.control_plane import ControlPlane
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_transfer.test_p2p_units import SECRET, codec, wait_until
 from tests.ports import free_port
 
@@ -37,7 +31,7 @@ def p2p_worker_for(role: str, send_type: str = "PUT_ASYNC", name: str | None = N
     """A real connector worker on loopback: two layers, one KV cache group of 32 blocks of 4."""
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig, KVCacheGroupSpec
     from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec
-    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+    from pagedkv.kv_connector.config import KVTransferConfig
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype="float32")
     top = {k: extra.pop(k) for k in list(extra) if k.startswith("kv_")}

@@ -11,23 +11,14 @@ import msgspec
 import pytest
 import zmq
 
-from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
 from pagedkv.kv_transfer.p2p.pair_group import PairGroups
-from pagedkv.kv_transfer.p2p.protocol import (
-    PROTOCOL_VERSION,
-    Cancel,
-    Codec,
-    Envelope,
-    Heartbeat,
-    Hello,
-    PeerAddr,
-    ProtocolError,
-    StoreSet,
-    Want,
-)
+from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Cancel, Heartbeat, Hello, StoreSet, Want
+from pagedkv.kv_transfer.p2p.rendezvous import PairStore
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
-from pagedkv.kv_transfer.p2p.store import PairStore
+from pagedkv.transport.codec import PROTOCOL_VERSION, Codec, Envelope, ProtocolError
+from pagedkv.transport.control_plane import ControlPlane
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.ports import free_port
 
 SECRET = b"unit-secret"
@@ -36,7 +27,7 @@ WANT = Want("t1", "g", 40, "h", [[1, 2]], [[2]])
 
 
 def codec(secret: bytes | None = SECRET, compat: str = "fp", limit: int = 4096) -> Codec:
-    return Codec(compat, secret, limit)
+    return Codec(compat, secret, limit, MESSAGE_TYPES)
 
 
 # ---------------------------------------------------------------------------- wire format
@@ -377,7 +368,7 @@ def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() ->
 
 # ---------------------------------------------------------------------------- config
 def test_extra_config_is_validated_naming_the_key() -> None:
-    from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+    from pagedkv.kv_connector.config import KVTransferConfig
     from pagedkv.kv_transfer.p2p.config import P2pConfig
 
     def config(**extra) -> P2pConfig:
@@ -402,7 +393,7 @@ def test_extra_config_is_validated_naming_the_key() -> None:
 def test_listening_beyond_loopback_without_a_secret_is_warned_about(caplog) -> None:
     import logging
 
-    from pagedkv.kv_transfer.p2p.protocol import warn_if_open
+    from pagedkv.transport.peer_addr import warn_if_open
 
     log = logging.getLogger("test")
     for host, secret in (("127.0.0.1", None), ("localhost", None), ("10.1.2.3", b"s")):

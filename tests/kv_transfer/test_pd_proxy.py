@@ -15,14 +15,9 @@ import msgspec
 import pytest
 import zmq
 
-from pagedkv.kv_transfer.p2p.protocol import (
-    PROTOCOL_VERSION,
-    Codec,
-    Envelope,
-    Heartbeat,
-    PeerAddr,
-    Want,
-)
+from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Heartbeat, Want
+from pagedkv.transport.codec import PROTOCOL_VERSION, Codec, Envelope
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.entrypoints.conftest import MODEL_NAME, idle_connection_survives
 from tests.kv_transfer.conftest import (
     MAX_TOKENS,
@@ -109,7 +104,7 @@ def test_hostile_control_messages_are_rejected_logged_and_survived(xpyd) -> None
     server, config = xpyd.servers[name], xpyd.configs[name]
     endpoint = f"tcp://127.0.0.1:{config['kv_port']}"
     me = PeerAddr("intruder", "127.0.0.1", 1)
-    signed = Codec("not-the-fingerprint", SECRET.encode(), 1 << 20)
+    signed = Codec("not-the-fingerprint", SECRET.encode(), 1 << 20, MESSAGE_TYPES)
     want = Want("t", "g", 1, "h", [[0]], [[1]])
     envelope, payload, _ = signed.encode(want, me)
     wrong_version = msgspec.msgpack.encode(Envelope(PROTOCOL_VERSION + 1, "fp", "want", me))

@@ -19,7 +19,7 @@ import pytest
 
 from pagedkv.entrypoints.proxy.registry import Instance, Register
 from pagedkv.entrypoints.proxy.router import Router
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, run_pagedkv
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -21,7 +21,7 @@ from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.ports import free_port
 
 

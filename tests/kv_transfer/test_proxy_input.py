@@ -27,7 +27,7 @@ from pagedkv.entrypoints.proxy.registry import (
 )
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.ports import free_port
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 4}

@@ -19,7 +19,8 @@ from pagedkv.entrypoints.proxy.registry import (
 )
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr, ProtocolError
+from pagedkv.transport.codec import ProtocolError
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_transfer.wire import raw_frames
 from tests.ports import free_port
 
@@ -250,7 +251,7 @@ def test_a_secret_on_one_side_only_is_refused_and_both_sides_say_so(
         registry.close()
     loggers = {r.name for r in caplog.records if "authentication mismatch" in r.getMessage()}
     assert loggers == {
-        "pagedkv.kv_transfer.p2p.control_plane",
+        "pagedkv.transport.control_plane",
         "pagedkv.entrypoints.proxy.registration_client",
     }
 

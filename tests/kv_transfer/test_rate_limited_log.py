@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pagedkv.kv_transfer import rate_limited_log
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 
 def test_one_line_per_cause_per_interval_with_the_suppressed_count(caplog, monkeypatch) -> None:

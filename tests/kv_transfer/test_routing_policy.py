@@ -19,7 +19,7 @@ from pagedkv.entrypoints.proxy.registry import Instance, Register
 from pagedkv.entrypoints.proxy.router import Prompt, Router
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_transfer.test_proxy_units import FakeRegistry
 
 BS = 16

@@ -17,7 +17,7 @@ import pytest
 
 from pagedkv.entrypoints.proxy.registration_client import RegistrationClient, proxy_addresses
 from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from tests.entrypoints.conftest import MODEL_NAME
 from tests.kv_transfer.conftest import MAX_TOKENS, complete
 from tests.ports import free_port

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from pagedkv.kv_transfer.p2p.protocol import PROTOCOL_VERSION, Codec
+from pagedkv.transport.codec import PROTOCOL_VERSION, Codec
 
 
 def raw_frames(

@@ -268,7 +268,7 @@ def _pack(allowed: np.ndarray) -> np.ndarray:
 def test_grammar_bitmask_unpacks_to_the_allowed_tokens() -> None:
     """The engine's packed bitmask (llguidance's layout) and the mask the sampler applies agree,
     word boundaries and a vocabulary wider than the bitmask included."""
-    from pagedkv.structured_output.manager import GrammarBitmask
+    from pagedkv.worker.scheduler_output import GrammarBitmask
 
     allowed = np.random.default_rng(0).random((3, 70)) < 0.3
     allowed[:, 31:33] = True

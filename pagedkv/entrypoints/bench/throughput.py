@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedkv.entrypoints.bench.datasets import RequestSampler, add_dataset_args
+from pagedkv.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _json_object(text: str) -> dict:

@@ -54,7 +54,7 @@ from pagedkv.entrypoints.proxy.registration_client import (
 )
 from pagedkv.entrypoints.proxy.registry import PLAIN_ROLE, Register
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 
 logger = logging.getLogger(__name__)
 

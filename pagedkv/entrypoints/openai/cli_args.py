@@ -7,7 +7,7 @@ import os
 
 from pagedkv.arg_types import port, positive_float
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.kv_transfer.p2p.protocol import parse_host_ports
+from pagedkv.transport.peer_addr import parse_host_ports
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 

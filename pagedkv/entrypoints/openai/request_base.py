@@ -9,7 +9,7 @@ import logging
 
 from pydantic import BaseModel, model_validator
 
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 _log = RateLimitedLog(logger)

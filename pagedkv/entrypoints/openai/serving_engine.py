@@ -37,11 +37,6 @@ from pagedkv.engine.async_llm import (
 )
 from pagedkv.engine.llm_engine import PromptType
 from pagedkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagedkv.engine.sampling_params import (
-    RequestOutputKind,
-    SamplingParams,
-    StructuredOutputsParams,
-)
 from pagedkv.entrypoints.openai.errors import (
     KV_TRANSFER_ERROR,
     OpenAIError,
@@ -50,6 +45,11 @@ from pagedkv.entrypoints.openai.errors import (
 )
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from pagedkv.entrypoints.openai.stream_merge import merge_streams
+from pagedkv.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 #: SamplingParams fields that keep their name in requests (others are mapped per endpoint).
 _SAMPLING_FIELDS = (

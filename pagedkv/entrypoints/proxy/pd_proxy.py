@@ -54,7 +54,7 @@ from pagedkv.entrypoints.proxy.metrics import ProxyMetrics, cached_tokens
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Route, Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig, Upstream, UpstreamError
-from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams
+from pagedkv.kv_connector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 

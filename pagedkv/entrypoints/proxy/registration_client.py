@@ -30,14 +30,9 @@ from pagedkv.entrypoints.proxy.registry import (
     Registered,
     registry_codec,
 )
-from pagedkv.kv_transfer.p2p.protocol import (
-    PeerAddr,
-    ProtocolError,
-    check_host,
-    check_port,
-    parse_host_ports,
-)
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.codec import ProtocolError
+from pagedkv.transport.peer_addr import PeerAddr, check_host, check_port, parse_host_ports
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -36,17 +36,11 @@ import httpx
 import msgspec
 
 from pagedkv.kv_cache.block_hash import HASH_FUNCTIONS
-from pagedkv.kv_transfer.kv_transfer_config import KV_ROLES
-from pagedkv.kv_transfer.p2p.control_plane import ControlPlane
-from pagedkv.kv_transfer.p2p.protocol import (
-    Codec,
-    PeerAddr,
-    ProtocolError,
-    check_host,
-    check_port,
-    warn_if_open,
-)
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.kv_connector.config import KV_ROLES
+from pagedkv.transport.codec import Codec, ProtocolError
+from pagedkv.transport.control_plane import ControlPlane
+from pagedkv.transport.peer_addr import PeerAddr, check_host, check_port, warn_if_open
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_connector.config import KVTransferConfig
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
 SECRET_ENV = "PAGEDKV_KV_SECRET"

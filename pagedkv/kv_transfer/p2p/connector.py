@@ -38,17 +38,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
-from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
-from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
+from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorMetadata
+from pagedkv.kv_connector.params import KVTransferParams, asks_for
+from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr
+from pagedkv.transport.peer_addr import PeerAddr
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
-    from pagedkv.engine.request import Request
-    from pagedkv.engine.scheduler_output import SchedulerOutput
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
-    from pagedkv.worker.model_runner_output import KVConnectorOutput
+    from pagedkv.kv_connector.output import KVConnectorOutput
+    from pagedkv.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -178,13 +178,13 @@ class P2pConnector(KVConnectorBase):
         self._arrived: set[str] = set()
 
     # ------------------------------------------------------------------ D
-    def _remote_load(self, request: Request) -> RemoteLoad | None:
+    def _remote_load(self, request: ConnectorRequest) -> RemoteLoad | None:
         raw = request.kv_transfer_params
         if not self.config.is_kv_consumer or not asks_for(raw, "do_remote_prefill"):
             return None
         return parse_remote_load(raw)
 
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: ConnectorRequest) -> None:
         load = self._remote_load(request)
         if load is not None and load.remote is not None:
             self._meta.queued.append(load)
@@ -198,14 +198,14 @@ class P2pConnector(KVConnectorBase):
             self._meta.arrivals.append((request.request_id, params.transfer_id))
 
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if request.request_id in self._loading or self._remote_load(request) is None:
             return 0, False
         return request.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._track_producer(request)
         if num_external_tokens == 0:
@@ -249,11 +249,11 @@ class P2pConnector(KVConnectorBase):
             if transfer_id is not None and self._sending_tids.get(transfer_id) == request_id:
                 del self._sending_tids[transfer_id]
 
-    def cancel_load(self, request: Request) -> None:
+    def cancel_load(self, request: ConnectorRequest) -> None:
         self._meta.cancels.append(request.request_id)
 
     # ------------------------------------------------------------------ P
-    def _send_params(self, request: Request) -> KVTransferParams | None:
+    def _send_params(self, request: ConnectorRequest) -> KVTransferParams | None:
         """P: the params of a request whose KV goes to D (None: it does not ask for that);
         ValueError names a malformed field."""
         raw = request.kv_transfer_params
@@ -261,7 +261,7 @@ class P2pConnector(KVConnectorBase):
             return None
         return KVTransferParams.parse(raw, _SEND_FIELDS, required=["transfer_id"])
 
-    def _track_producer(self, request: Request) -> None:
+    def _track_producer(self, request: ConnectorRequest) -> None:
         if request.request_id in self._producing:
             return
         try:
@@ -330,7 +330,7 @@ class P2pConnector(KVConnectorBase):
         )
 
     def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
+        self, request: ConnectorRequest, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         request_id = request.request_id
         if request_id in self._arrived:

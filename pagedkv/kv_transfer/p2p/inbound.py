@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, RemoteLoad
 from pagedkv.kv_transfer.p2p.lanes import Job
@@ -42,14 +42,14 @@ from pagedkv.kv_transfer.p2p.protocol import (
     Done,
     Heartbeat,
     Nack,
-    PeerAddr,
     Want,
     XferBegin,
 )
 from pagedkv.kv_transfer.p2p.receive_lane import Target
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, plan_segments
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, Inbound, P2pStats, TransferState
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.peer_addr import PeerAddr
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

@@ -32,20 +32,13 @@ from pagedkv.kv_transfer.p2p.connector import SendSpec
 from pagedkv.kv_transfer.p2p.lanes import Job, LaneError, SendLane
 from pagedkv.kv_transfer.p2p.lease import LeaseTable
 from pagedkv.kv_transfer.p2p.peers import Peers
-from pagedkv.kv_transfer.p2p.protocol import (
-    MAX_COMPUTING,
-    Cancel,
-    Done,
-    Heartbeat,
-    Nack,
-    PeerAddr,
-    Want,
-)
+from pagedkv.kv_transfer.p2p.protocol import MAX_COMPUTING, Cancel, Done, Heartbeat, Nack, Want
 from pagedkv.kv_transfer.p2p.send_modes import SendMode
 from pagedkv.kv_transfer.p2p.tombstones import Tombstones
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, Outbound, P2pStats, TransferState
 from pagedkv.kv_transfer.p2p.want_check import want_problem, want_size_problem
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.peer_addr import PeerAddr
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

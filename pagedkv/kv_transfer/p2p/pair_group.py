@@ -39,9 +39,10 @@ import msgspec
 from torch.distributed import PrefixStore, ProcessGroupGloo
 
 from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
-from pagedkv.kv_transfer.p2p.protocol import Hello, PeerAddr, StoreSet, XferBegin
+from pagedkv.kv_transfer.p2p.protocol import Hello, StoreSet, XferBegin
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
-from pagedkv.kv_transfer.p2p.store import PairStore
+from pagedkv.kv_transfer.p2p.rendezvous import PairStore
+from pagedkv.transport.peer_addr import PeerAddr
 
 logger = logging.getLogger(__name__)
 

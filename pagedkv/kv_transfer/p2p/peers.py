@@ -37,23 +37,15 @@ from typing import Protocol
 import msgspec
 
 from pagedkv.kv_transfer.p2p.config import P2pConfig
-from pagedkv.kv_transfer.p2p.control_plane import ControlPlane, Handler
 from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
-from pagedkv.kv_transfer.p2p.protocol import (
-    Bye,
-    Cancel,
-    Codec,
-    Heartbeat,
-    Hello,
-    PeerAddr,
-    ProtocolError,
-    StoreSet,
-    XferBegin,
-)
+from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, StoreSet, XferBegin
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, Target
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.codec import Codec, ProtocolError
+from pagedkv.transport.control_plane import ControlPlane, Handler
+from pagedkv.transport.peer_addr import PeerAddr
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

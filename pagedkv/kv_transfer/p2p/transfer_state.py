@@ -28,10 +28,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, SendSpec
 from pagedkv.kv_transfer.p2p.lanes import Job
-from pagedkv.kv_transfer.p2p.protocol import PeerAddr, Want
-from pagedkv.worker.model_runner_output import KVConnectorOutput
+from pagedkv.kv_transfer.p2p.protocol import Want
+from pagedkv.transport.peer_addr import PeerAddr
 
 
 class TransferState(enum.Enum):

@@ -33,27 +33,20 @@ import time
 
 import torch
 
-from pagedkv.kv_transfer.base import KVConnectorWorker
+from pagedkv.kv_connector.base import KVConnectorWorker
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import P2pConnectorMetadata
 from pagedkv.kv_transfer.p2p.inbound import InboundTransfers
 from pagedkv.kv_transfer.p2p.outbound import OutboundTransfers
 from pagedkv.kv_transfer.p2p.peers import Peers
-from pagedkv.kv_transfer.p2p.protocol import (
-    Cancel,
-    Codec,
-    Done,
-    Heartbeat,
-    Nack,
-    PeerAddr,
-    Want,
-    warn_if_open,
-)
+from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Cancel, Done, Heartbeat, Nack, Want
 from pagedkv.kv_transfer.p2p.send_modes import SEND_MODES, SendContext
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
 from pagedkv.kv_transfer.p2p.transfer import block_bytes, chunk_blocks_for
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, P2pStats
-from pagedkv.worker.model_runner_output import KVConnectorOutput
+from pagedkv.transport.codec import Codec
+from pagedkv.transport.peer_addr import PeerAddr, warn_if_open
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +65,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self.send_context = SendContext([], [], block_size, self.pool, p2p.transfer_timeout_s)
         self.mode = SEND_MODES[p2p.send_type](self.send_context)
 
-        codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes)
+        codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes, MESSAGE_TYPES)
         warn_if_open(logger, "the P2P control plane", config.kv_ip, p2p.secret_bytes)
         handlers = {
             Want: lambda peer, m: self.outbound.on_want(peer, m),

@@ -37,22 +37,22 @@ from typing import TYPE_CHECKING
 
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
-from pagedkv.kv_transfer.base import KVConnectorBase
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-from pagedkv.kv_transfer.kv_transfer_params import KVTransferParams, asks_for
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.kv_connector.base import KVConnectorBase
+from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.params import KVTransferParams, asks_for
+from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec, StoreConnectorMetadata
 from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 from pagedkv.utils import cdiv
 
 if TYPE_CHECKING:
-    from pagedkv.engine.request import Request
-    from pagedkv.engine.scheduler_output import SchedulerOutput
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+    from pagedkv.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 _failures = RateLimitedLog(logger)
@@ -81,7 +81,7 @@ def longest_stored_prefix(stored: list[list[bool]], windows: list[int | None]) -
     return 0
 
 
-def announced_tokens(request: Request) -> int:
+def announced_tokens(request: ConnectorRequest) -> int:
     """The prompt tokens P announced as stored (``kv_transfer_params.store_num_tokens``): 0
     when absent, or when not an integer from 0 to the prompt length (client input: warned
     about and ignored, never an exception on the scheduler thread)."""
@@ -113,7 +113,7 @@ class _Lookup:
 class _SaveState:
     """A producer's view of one request: its blocks (per group) and how many are saved."""
 
-    request: Request
+    request: ConnectorRequest
     block_ids: list[list[int]]
     #: Blocks ``[0, num_saved_blocks)`` are stored, queued, or not this request's to store.
     num_saved_blocks: int | None = None
@@ -147,7 +147,7 @@ class StoreConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ consumer: lookup
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         if self.backend is None or request.sampling_params.prompt_logprobs is not None:
             return 0, False
@@ -179,7 +179,7 @@ class StoreConnector(KVConnectorBase):
         num_tokens = lookup.num_blocks * self.block_size
         return num_tokens, num_tokens > 0 and self.store_config.load_mode == "async"
 
-    def _check_store(self, request: Request, lookup: _Lookup, end: int) -> None:
+    def _check_store(self, request: ConnectorRequest, lookup: _Lookup, end: int) -> None:
         """One batched existence check over blocks ``[start, end)`` of every group."""
         assert self.backend is not None
         start, num_groups = lookup.start_block, len(self.windows)
@@ -201,7 +201,7 @@ class StoreConnector(KVConnectorBase):
         lookup.failed = False
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         lookup = self._lookups.pop(request.request_id, None)
         if not request.block_hashes and request.num_tokens >= self.block_size:
@@ -252,7 +252,7 @@ class StoreConnector(KVConnectorBase):
         return meta
 
     @staticmethod
-    def _stores_whole_prompt(request: Request) -> bool:
+    def _stores_whole_prompt(request: ConnectorRequest) -> bool:
         return asks_for(request.kv_transfer_params, "do_remote_decode")
 
     def _add_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
@@ -273,7 +273,7 @@ class StoreConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ endings
     def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
+        self, request: ConnectorRequest, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         self._lookups.pop(request.request_id, None)
         state = self._saves.pop(request.request_id, None)
@@ -295,7 +295,7 @@ class StoreConnector(KVConnectorBase):
         """Store lookups, lookup errors, and blocks found stored at admission."""
         return {name: getattr(self.stats, name) for name in LOOKUP_STATS}
 
-    def cancel_load(self, request: Request) -> None:
+    def cancel_load(self, request: ConnectorRequest) -> None:
         self._meta.cancels.append(request.request_id)
 
     def shutdown(self) -> None:

@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, CorruptValue, decode_value
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
 from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 _failures = RateLimitedLog(logger)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.kv_transfer.base import KVConnectorMetadata
+from pagedkv.kv_connector.base import KVConnectorMetadata
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,9 @@ from collections import defaultdict
 
 import torch
 
-from pagedkv.kv_transfer.base import KVConnectorWorker
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
+from pagedkv.kv_connector.base import KVConnectorWorker
+from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.store.backends import create_backend
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
 from pagedkv.kv_transfer.store.config import StoreConfig
@@ -19,7 +20,6 @@ from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
 from pagedkv.kv_transfer.store.writer import BlockWriter, PutJob
-from pagedkv.worker.model_runner_output import KVConnectorOutput
 
 
 class StoreConnectorWorker(KVConnectorWorker):

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
 from pagedkv.kv_transfer.store.backends.base import StoreUnavailable
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 failure_log = RateLimitedLog(logger)

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
-from pagedkv.kv_transfer.p2p.protocol import MAX_ENGINE_ID_LEN, PeerAddr, check_host
+from pagedkv.transport.peer_addr import MAX_ENGINE_ID_LEN, PeerAddr, check_host
 
 MAX_TRANSFER_ID_LEN = 256
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from pagedkv.engine.sampling_params import SamplingParams
+import numpy as np
+
+from pagedkv.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -45,3 +48,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+class GrammarBitmask(NamedTuple):
+    """``bitmask[i]`` is request ``req_ids[i]``'s: bit ``t % 32`` of word ``t // 32`` set =
+    token ``t`` allowed (int32 words, llguidance's and xgrammar's layout)."""
+
+    req_ids: list[str]
+    bitmask: np.ndarray
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """Bool ``[len(req_ids), vocab_size]``: token ``t`` allowed for row ``i``. Tokens past
+        the bitmask's width (a model vocabulary padded beyond the tokenizer's) are not."""
+        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
+        allowed = np.zeros((len(self.req_ids), vocab_size), dtype=bool)
+        width = min(vocab_size, bits.shape[1])
+        allowed[:, :width] = bits[:, :width]
+        return allowed

@@ -35,8 +35,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pagedkv.kv_transfer.p2p.protocol import Codec, Envelope, PeerAddr, ProtocolError
-from pagedkv.kv_transfer.rate_limited_log import RateLimitedLog
+from pagedkv.transport.codec import Codec, Envelope, ProtocolError
+from pagedkv.transport.peer_addr import PeerAddr
+from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

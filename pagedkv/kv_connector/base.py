@@ -21,15 +21,17 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from pagedkv.kv_transfer.kv_transfer_config import KVTransferConfig
-from pagedkv.worker.model_runner_output import KVConnectorOutput
+from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.output import KVConnectorOutput
+from pagedkv.kv_connector.protocols import (
+    ConnectorRequest,
+    LayerAttentionMetadata,
+    ScheduledStep,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from pagedkv.attention.metadata import AttentionMetadata
-    from pagedkv.engine.request import Request
-    from pagedkv.engine.scheduler_output import SchedulerOutput
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
 
@@ -56,13 +58,13 @@ class KVConnectorBase(ABC):
     def load_failure_policy(self) -> str:
         return self.config.kv_load_failure_policy or self.default_load_failure_policy
 
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: ConnectorRequest) -> None:
         """A request arrived (before any admission attempt)."""
         return None
 
     @abstractmethod
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """External tokens loadable beyond the ``num_computed_tokens`` local hit, and whether
         the load is asynchronous (between steps; the request waits in WAITING_FOR_REMOTE_KVS).
@@ -71,12 +73,12 @@ class KVConnectorBase(ABC):
 
     @abstractmethod
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Blocks were allocated for the request (``blocks``: all of them, per group)."""
 
     @abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: ScheduledStep) -> KVConnectorMetadata:
         """This step's plan; resets the per-step state."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -84,7 +86,7 @@ class KVConnectorBase(ABC):
         return None
 
     def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
+        self, request: ConnectorRequest, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         """Called once when a request ends, before its blocks are freed. Returns whether the
         connector now holds the blocks (freed when the id comes back in ``finished_sending``)
@@ -95,7 +97,7 @@ class KVConnectorBase(ABC):
         """This half's counters by name (merged with the worker half's for metrics)."""
         return {}
 
-    def cancel_load(self, request: Request) -> None:
+    def cancel_load(self, request: ConnectorRequest) -> None:
         """Stop loading a request (aborted, or past its deadline). Its load must still end in
         ``finished_recving``, once no more bytes can land in its blocks."""
         return None
@@ -136,7 +138,7 @@ class KVConnectorWorker(ABC):
         return None
 
     def save_kv_layer(
-        self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+        self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata: LayerAttentionMetadata
     ) -> None:
         """Inside attention, right after layer ``layer_idx`` wrote this step's K/V."""
         return None

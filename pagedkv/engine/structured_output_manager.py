@@ -11,31 +11,13 @@ A row that does not sample this step (a prefill chunk short of the prompt's end)
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
 from pagedkv.engine.outputs import EngineCoreOutput
 from pagedkv.engine.request import Request
-from pagedkv.engine.sampling_params import StructuredOutputsParams
+from pagedkv.sampling_params import StructuredOutputsParams
 from pagedkv.structured_output.backend_guidance import CompileStats, Grammar, GuidanceBackend
-
-
-class GrammarBitmask(NamedTuple):
-    """``bitmask[i]`` is request ``req_ids[i]``'s: bit ``t % 32`` of word ``t // 32`` set =
-    token ``t`` allowed (int32 words, llguidance's and xgrammar's layout)."""
-
-    req_ids: list[str]
-    bitmask: np.ndarray
-
-    def allowed(self, vocab_size: int) -> np.ndarray:
-        """Bool ``[len(req_ids), vocab_size]``: token ``t`` allowed for row ``i``. Tokens past
-        the bitmask's width (a model vocabulary padded beyond the tokenizer's) are not."""
-        bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
-        allowed = np.zeros((len(self.req_ids), vocab_size), dtype=bool)
-        width = min(vocab_size, bits.shape[1])
-        allowed[:, :width] = bits[:, :width]
-        return allowed
+from pagedkv.worker.scheduler_output import GrammarBitmask
 
 
 class StructuredOutputManager:

@@ -1,0 +1,33 @@
+"""KVConnectorOutput: what a KV connector's worker half reports up after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker half reports after a step."""
+
+    #: Producer: transfers whose held blocks may now be freed (delivered, refused, failed or
+    #: lease expired).
+    finished_sending: set[str] = field(default_factory=set)
+    #: Consumer: loads that ended (successfully or not); no byte lands in their blocks after.
+    finished_recving: set[str] = field(default_factory=set)
+    #: Blocks whose load failed (reported with or before the request's finished_recving).
+    invalid_block_ids: set[int] = field(default_factory=set)
+    #: Consumer: why a load failed, by request id (the peer and the cause), for the error a
+    #: client sees under kv_load_failure_policy=fail.
+    load_errors: dict[str, str] = field(default_factory=dict)
+    #: Consumer: loads whose source still computes their KV (their request is queued or in
+    #: prefill there): their deadline counts from now.
+    loads_in_progress: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.loads_in_progress
+        )
