@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+class KVRole(enum.StrEnum):
+    """What an instance does with KV (vLLM's ``kv_role``): the one definition of the roles."""
+
+    PRODUCER = "kv_producer"
+    CONSUMER = "kv_consumer"
+    BOTH = "kv_both"
+
+    @property
+    def produces(self) -> bool:
+        """Computes prompts whose KV another instance loads (P)."""
+        return self is not KVRole.CONSUMER
+
+    @property
+    def consumes(self) -> bool:
+        """Loads KV that another instance computed (D)."""
+        return self is not KVRole.PRODUCER
+
+
+KV_ROLES = tuple(KVRole)
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_connector: str
-    kv_role: str
+    kv_role: KVRole
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     #: Bytes a connector may buffer (e.g. the GET pool on a producer).
@@ -32,8 +52,10 @@ class KVTransferConfig:
             raise ValueError("kv_transfer_config.kv_connector must name a connector")
         if self.kv_role not in KV_ROLES:
             raise ValueError(
-                f"kv_transfer_config.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}"
+                f"kv_transfer_config.kv_role must be one of {[str(r) for r in KVRole]}, "
+                f"got {self.kv_role!r}"
             )
+        object.__setattr__(self, "kv_role", KVRole(self.kv_role))
         if (
             self.kv_load_failure_policy is not None
             and self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES
@@ -65,11 +87,11 @@ class KVTransferConfig:
 
     @property
     def is_kv_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role.produces
 
     @property
     def is_kv_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role.consumes
 
     def get_from_extra_config(self, key: str, default: Any) -> Any:
         return self.kv_connector_extra_config.get(key, default)
