@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pagedkv
 from pagedkv.arg_types import positive_int
+from pagedkv.worker.worker_config import WorkerConfig
 
 DEFAULT_MODEL_PATH = Path(pagedkv.__file__).parent / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -112,6 +113,10 @@ class EngineArgs:
     @property
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_PATH
+
+    def create_worker_config(self) -> WorkerConfig:
+        fields = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model_path"}
+        return WorkerConfig(self.model_path, **{name: getattr(self, name) for name in fields})
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:

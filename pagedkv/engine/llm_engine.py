@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from pagedkv.engine.config import CacheConfig, SchedulerConfig
+from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
@@ -71,7 +71,7 @@ class LLMEngine:
         self.args = args
         model_path = args.model_path
         self.tokenizer = load_tokenizer(args.tokenizer or model_path)
-        self.model_runner = ModelRunner(args)
+        self.model_runner = ModelRunner(args.create_worker_config())
         model_config = self.model_runner.model_config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = self.model_runner.max_model_len
@@ -88,13 +88,6 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
-        )
-        self.cache_config = CacheConfig(
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            prefix_caching_hash_algo=args.prefix_caching_hash_algo,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
         )
         layer_specs = self.model_runner.get_kv_cache_specs(args.block_size)
         self.kv_cache_config = get_kv_cache_config(
@@ -117,11 +110,7 @@ class LLMEngine:
         #: Publishes what the prefix cache stores and evicts (``--kv-events-config``).
         self.kv_event_publisher = KVEventPublisher(self.kv_events_config) if publishes else None
         self.block_hasher = (
-            BlockHasher(
-                self.kv_cache_config.hash_block_size,
-                self.cache_config.prefix_caching_hash_algo,
-                self.cache_config.prefix_caching_hash_seed,
-            )
+            BlockHasher(self.kv_cache_config.hash_block_size, args.prefix_caching_hash_algo)
             if args.enable_prefix_caching
             else None
         )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from pagedkv.known_keys import from_known_keys
 
 
 class KVRole(enum.StrEnum):
@@ -77,13 +79,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KVTransferConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_transfer_config field(s) {unknown}; known: {sorted(known)}"
-            )
-        return cls(**config)
+        return from_known_keys(cls, config, "kv_transfer_config field(s)")
 
     @property
     def is_kv_producer(self) -> bool:
@@ -92,6 +88,3 @@ class KVTransferConfig:
     @property
     def is_kv_consumer(self) -> bool:
         return self.kv_role.consumes
-
-    def get_from_extra_config(self, key: str, default: Any) -> Any:
-        return self.kv_connector_extra_config.get(key, default)

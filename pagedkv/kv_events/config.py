@@ -3,8 +3,10 @@ naming it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from pagedkv.known_keys import from_known_keys
 
 PUBLISHERS = ("null", "zmq")
 
@@ -56,8 +58,4 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KVEventsConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown fields {unknown}; known: {sorted(known)}")
-        return cls(**config)
+        return from_known_keys(cls, config, "fields of kv_events_config")

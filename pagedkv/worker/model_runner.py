@@ -17,7 +17,6 @@ import torch
 from pagedkv.attention.backends.registry import get_attention_backend
 from pagedkv.attention.forward_context import ForwardContext
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_connector.base import KVConnectorWorker
@@ -44,6 +43,7 @@ from pagedkv.worker.model_runner_output import (
 from pagedkv.worker.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from pagedkv.worker.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagedkv.worker.warm_up import warm_up_steps
+from pagedkv.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,7 @@ def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs) -> None:
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
-            )
+    def __init__(self, args: WorkerConfig) -> None:
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()

@@ -257,7 +257,7 @@ def start_registration(
             num_waiting=stats.num_waiting_reqs,
             kv_layout=kv_layout,
             signs=bool(secret),
-            hash_algo=engine.cache_config.prefix_caching_hash_algo if caching else "",
+            hash_algo=engine.args.prefix_caching_hash_algo if caching else "",
             block_size=engine.kv_cache_config.hash_block_size if caching else 0,
             num_kv_cache_groups=len(engine.kv_cache_config.kv_cache_groups),
             kv_events_endpoint=_reachable(publisher.endpoint, host) if publisher else "",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
+from pagedkv.known_keys import from_known_keys
 from pagedkv.kv_connector.config import KVTransferConfig
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
@@ -82,17 +82,9 @@ class P2pConfig:
         an error); the secret falls back to ``$PAGEDKV_KV_SECRET``."""
         if config.kv_port == 0:
             raise ValueError("the P2P connector needs a fixed kv_transfer_config.kv_port (not 0)")
-        extra = config.kv_connector_extra_config
-        known = {f.name for f in fields(cls)} | set(SERVER_KEYS)
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config key(s) {unknown} for the P2P connector; "
-                f"known: {sorted(known)}"
-            )
-        values: dict[str, Any] = {f.name: extra[f.name] for f in fields(cls) if f.name in extra}
-        values.setdefault("shared_secret", os.environ.get(SECRET_ENV) or None)
-        return cls(**values)
+        values = {"shared_secret": os.environ.get(SECRET_ENV) or None}
+        values.update(config.kv_connector_extra_config)
+        return from_known_keys(cls, values, "kv_connector_extra_config key(s)", SERVER_KEYS)
 
     @property
     def secret_bytes(self) -> bytes | None:

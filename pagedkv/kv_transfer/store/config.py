@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from pagedkv.known_keys import from_known_keys
 
 LOAD_MODES = ("async", "sync")
 URL_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "file", "mooncake")
@@ -35,7 +37,7 @@ def _positive(name: str, value: Any, allow_none: bool = False) -> None:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    store_url: str
+    store_url: str = ""
     load_mode: str = "async"
     ttl_s: float | None = None
     timeout_s: float = 2.0
@@ -47,6 +49,11 @@ class StoreConfig:
     mooncake: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.store_url == "":
+            raise ValueError(
+                "StoreConnector needs kv_connector_extra_config.store_url, e.g. "
+                '{"store_url": "redis://127.0.0.1:6379/0"} or {"store_url": "file:///dir"}'
+            )
         if not isinstance(self.store_url, str) or "://" not in self.store_url:
             raise ValueError(
                 "kv_connector_extra_config.store_url must be a URL such as "
@@ -83,19 +90,7 @@ class StoreConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> StoreConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown StoreConnector option(s) {unknown} in kv_connector_extra_config; "
-                f"known: {sorted(known)}"
-            )
-        if "store_url" not in extra:
-            raise ValueError(
-                "StoreConnector needs kv_connector_extra_config.store_url, e.g. "
-                '{"store_url": "redis://127.0.0.1:6379/0"} or {"store_url": "file:///dir"}'
-            )
-        return cls(**extra)
+        return from_known_keys(cls, extra, "StoreConnector option(s) in kv_connector_extra_config")
 
     @property
     def scheme(self) -> str:
