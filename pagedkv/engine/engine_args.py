@@ -9,11 +9,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pagedkv
 from pagedkv.arg_types import positive_int
 from pagedkv.worker.worker_config import WorkerConfig
 
-DEFAULT_MODEL_PATH = Path(pagedkv.__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 _DTYPES = ("float32", "bfloat16", "float16")
 

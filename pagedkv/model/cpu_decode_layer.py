@@ -24,7 +24,6 @@ from pagedkv.cpu_kernels import load_cpu_kernels
 
 if TYPE_CHECKING:
     from pagedkv.attention.metadata import AttentionMetadata
-    from pagedkv.model.llama import LlamaDecoderLayer
 
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int64
 _WEIGHTS = (
@@ -53,7 +52,7 @@ class DecodeLayerStruct(ctypes.Structure):
     ]
 
 
-def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
+def _layer_weights(layer: nn.Module) -> dict[str, torch.Tensor | None]:
     attn, mlp = layer.self_attn, layer.mlp
     return dict(
         input_norm=layer.input_layernorm.weight,
@@ -72,12 +71,13 @@ def _layer_weights(layer: LlamaDecoderLayer) -> dict[str, torch.Tensor | None]:
 class CpuDecodeLayer:
     """A decoder layer's one-row decode in one call.
 
-    The weights' addresses are taken once, here: the layer's parameters must stay where they
+    ``layer`` is a ``LlamaDecoderLayer``: its norms, ``self_attn`` and ``mlp`` are read. The
+    weights' addresses are taken once, here: the layer's parameters must stay where they
     are (they do after loading; this object keeps them alive). Raises ValueError when the layer
     is not one the call can run: fp32 contiguous CPU weights, both norms with one eps.
     """
 
-    def __init__(self, library: ctypes.CDLL, layer: LlamaDecoderLayer) -> None:
+    def __init__(self, library: ctypes.CDLL, layer: nn.Module) -> None:
         attn = layer.self_attn
         eps = layer.input_layernorm.eps
         if layer.post_attention_layernorm.eps != eps:
@@ -176,14 +176,13 @@ class CpuDecodeLayer:
 
 
 def attach(model: nn.Module) -> int:
-    """Give every ``LlamaDecoderLayer`` of ``model`` (fp32 on the CPU, weights loaded) its
-    one-call decode; returns how many layers took it (0 when the kernels cannot be built)."""
-    from pagedkv.model.llama import LlamaDecoderLayer
-
+    """Give every layer of ``model`` with a ``cpu_decode`` slot (``LlamaDecoderLayer``; fp32 on
+    the CPU, weights loaded) its one-call decode; returns how many layers took it (0 when the
+    kernels cannot be built)."""
     library = load_cpu_kernels()
     if library is None:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, LlamaDecoderLayer)]
+    layers = [m for m in model.modules() if hasattr(m, "cpu_decode")]
     for layer in layers:
         layer.cpu_decode = CpuDecodeLayer(library, layer)
     return len(layers)

@@ -95,12 +95,10 @@ def load_cpu_gemv() -> CpuGemv | None:
 
 
 def attach(model: nn.Module, gemv: CpuGemv) -> int:
-    """Give ``gemv`` to every ``Linear`` (the LM head included) of ``model``, which must run in
-    fp32 on the CPU; returns how many modules took it. The LM head then chooses which of its
-    layouts the GEMV reads (``LMHead.choose_gemv_layout``)."""
-    from pagedkv.model.linear import Linear
-
-    modules = [m for m in model.modules() if isinstance(m, Linear)]
+    """Give ``gemv`` to every module of ``model`` with a ``cpu_gemv`` slot (each ``Linear``, the
+    LM head included), which must run in fp32 on the CPU; returns how many took it. The LM head
+    then chooses which of its layouts the GEMV reads (``LMHead.choose_gemv_layout``)."""
+    modules = [m for m in model.modules() if hasattr(m, "cpu_gemv")]
     for module in modules:
         module.cpu_gemv = gemv
     return len(modules)

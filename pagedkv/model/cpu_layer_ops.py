@@ -135,14 +135,10 @@ def load_cpu_layer_ops() -> CpuLayerOps | None:
 
 
 def attach(model: nn.Module, ops: CpuLayerOps) -> int:
-    """Give ``ops`` to every ``RMSNorm``, ``SiluAndMul`` and ``LlamaAttention`` of ``model``,
-    which must run in fp32 on the CPU; returns how many modules took them."""
-    from pagedkv.model.activation import SiluAndMul
-    from pagedkv.model.llama import LlamaAttention
-    from pagedkv.model.rms_norm import RMSNorm
-
-    kinds = (RMSNorm, SiluAndMul, LlamaAttention)
-    modules = [m for m in model.modules() if isinstance(m, kinds)]
+    """Give ``ops`` to every module of ``model`` with a ``cpu_ops`` slot (``RMSNorm``,
+    ``SiluAndMul``, ``LlamaAttention``), which must run in fp32 on the CPU; returns how many
+    modules took them."""
+    modules = [m for m in model.modules() if hasattr(m, "cpu_ops")]
     for module in modules:
         module.cpu_ops = ops
     return len(modules)

@@ -20,15 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagedkv.model.tuning import TUNE_ROWS, KernelChoices
-
-if TYPE_CHECKING:
-    from pagedkv.model.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +53,7 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def _packed_is_faster(
-    module: Linear, packed: torch.Tensor, choices: KernelChoices, repeats: int = 3
+    module: nn.Module, packed: torch.Tensor, choices: KernelChoices, repeats: int = 3
 ) -> bool:
     """One ``TUNE_ROWS`` batch through ``packed`` and through ``module``'s MKL path: whether
     the packed copy has the smaller median, as ``choices`` holds it or times it now. Leaves
@@ -83,18 +79,17 @@ def _available_memory() -> int | None:
 
 
 def attach(model: nn.Module, choices: KernelChoices) -> int:
-    """Give every ``Linear`` of ``model`` (fp32 on the CPU, weights loaded) a packed copy of its
+    """Give every module of ``model`` with a ``weight_packed`` slot (each ``Linear``; fp32 on the
+    CPU, weights loaded) a packed copy of its
     weight where oneDNN is faster for its shape (``choices``' answer); returns how many took
     one. Shapes are timed (where ``choices`` has no answer) once each, without touching the
     global RNG. None is packed where torch has no oneDNN, or where the copies would take more
     than half of the memory available."""
-    from pagedkv.model.linear import Linear
-
     if not onednn_available():
         return 0
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if hasattr(m, "weight_packed")]
 
-    def shape(module: Linear) -> tuple:
+    def shape(module: nn.Module) -> tuple:
         return (type(module), *module.weight.shape, module.bias is None)
 
     faster: dict[tuple, bool] = {}
