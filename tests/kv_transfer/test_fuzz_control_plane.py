@@ -14,14 +14,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
-from pagedkv.entrypoints.proxy.registry import (
-    REGISTRY_MESSAGES,
-    InstanceRegistry,
-    Register,
-    registry_codec,
-)
+from pagedkv.entrypoints.openai.registration_client import RegistrationClient
+from pagedkv.entrypoints.proxy.registry import InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.serving.registration import REGISTRY_MESSAGES, Register, registry_codec
 from pagedkv.kv_connector.config import KV_ROLES
 from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES
 from pagedkv.transport.codec import PROTOCOL_VERSION, Codec, ProtocolError

@@ -17,8 +17,9 @@ import httpx
 import openai
 import pytest
 
-from pagedkv.entrypoints.proxy.registry import Instance, Register
+from pagedkv.entrypoints.proxy.registry import Instance
 from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.serving.registration import Register
 from pagedkv.transport.peer_addr import PeerAddr
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, run_pagedkv
 

@@ -15,12 +15,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedkv.entrypoints.openai.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.app import build_proxy_app
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
-from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
-from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register
+from pagedkv.entrypoints.proxy.registry import InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
+from pagedkv.entrypoints.serving.registration import Register
 from pagedkv.transport.peer_addr import PeerAddr
 from tests.ports import free_port
 

@@ -9,16 +9,12 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 
+from pagedkv.entrypoints.openai.registration_client import RegistrationClient
 from pagedkv.entrypoints.proxy.app import build_proxy_app
-from pagedkv.entrypoints.proxy.registration_client import RegistrationClient
-from pagedkv.entrypoints.proxy.registry import (
-    Instance,
-    InstanceRegistry,
-    Register,
-    registry_codec,
-)
+from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
+from pagedkv.entrypoints.serving.registration import Register, registry_codec
 from pagedkv.transport.codec import ProtocolError
 from pagedkv.transport.peer_addr import PeerAddr
 from tests.kv_transfer.wire import raw_frames
@@ -252,7 +248,7 @@ def test_a_secret_on_one_side_only_is_refused_and_both_sides_say_so(
     loggers = {r.name for r in caplog.records if "authentication mismatch" in r.getMessage()}
     assert loggers == {
         "pagedkv.transport.control_plane",
-        "pagedkv.entrypoints.proxy.registration_client",
+        "pagedkv.entrypoints.openai.registration_client",
     }
 
 

@@ -15,8 +15,9 @@ import pytest
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.recent_work import RecentWork
-from pagedkv.entrypoints.proxy.registry import Instance, Register
+from pagedkv.entrypoints.proxy.registry import Instance
 from pagedkv.entrypoints.proxy.router import Prompt, Router
+from pagedkv.entrypoints.serving.registration import Register
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.transport.peer_addr import PeerAddr

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from pagedkv.entrypoints.proxy.registration_client import RegistrationClient, proxy_addresses
-from pagedkv.entrypoints.proxy.registry import InstanceRegistry, Register
+from pagedkv.entrypoints.openai.registration_client import RegistrationClient, proxy_addresses
+from pagedkv.entrypoints.proxy.registry import InstanceRegistry
+from pagedkv.entrypoints.serving.registration import Register
 from pagedkv.transport.peer_addr import PeerAddr
 from tests.entrypoints.conftest import MODEL_NAME
 from tests.kv_transfer.conftest import MAX_TOKENS, complete

@@ -27,8 +27,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedkv
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.entrypoints import KEEP_ALIVE_S
-from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
 from pagedkv.entrypoints.openai.errors import OpenAIError, model_not_found
@@ -44,15 +42,16 @@ from pagedkv.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedkv.entrypoints.proxy.registration_client import (
+from pagedkv.entrypoints.openai.registration_client import (
     RegistrationClient,
     close_all,
     proxy_addresses,
 )
-from pagedkv.entrypoints.proxy.registry import PLAIN_ROLE, Register
+from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedkv.entrypoints.serving.draining_server import KEEP_ALIVE_S, DrainingServer
+from pagedkv.entrypoints.serving.registration import PLAIN_ROLE, Register
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 from pagedkv.transport.peer_addr import PeerAddr
 

@@ -20,8 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv
-from pagedkv.entrypoints import KEEP_ALIVE_S
-from pagedkv.entrypoints.draining_server import DrainingServer
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.openai.protocol import VersionResponse
@@ -32,6 +30,7 @@ from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
+from pagedkv.entrypoints.serving.draining_server import KEEP_ALIVE_S, DrainingServer
 from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
 from pagedkv.kv_transfer.p2p.config import SECRET_ENV
 

@@ -1,27 +1,5 @@
-"""Service discovery for the proxy: instances announce themselves over ZMQ with heartbeats.
-
-Each ``pagedkv serve --registry HOST:PORT[,HOST:PORT...]`` (or, with the P2P connector,
-``kv_connector_extra_config.proxies``, or ``proxy_ip``/``proxy_port``) runs a
-``RegistrationClient`` (``registration_client.py``) per proxy that sends a ``Register`` every
-``proxy_heartbeat_s`` (2 s) to that proxy's registry ROUTER. Every heartbeat is a whole
-registration, so a proxy that restarts knows every live instance after one heartbeat, and
-several proxies can serve the same instances. The envelope's
-sender is the instance's KV address (engine id, kv_ip, kv_port), or for an instance without the
-P2P connector (role ``plain``: a replica, never paired) its HTTP address; the message adds its
-role, HTTP URL, model, model fingerprint and KV layout (the proxy pairs only equal
-fingerprints, and says why others do not pair), whether it signs its messages, its load, and
-what a KV-aware router needs: the prefix-cache hash algorithm and block size, the number of KV
-cache groups, where its KV events are published, and a boot id (a new one: a restarted
-process, whose cache is new). Messages use the connector's Codec (size limits, version,
-namespace check, HMAC-SHA256 when a secret is set), so a rogue process without the secret can't
-register itself and receive prompts. An instance not heard from for ``timeout_s`` drops out;
-one that says ``Deregister`` drops at once.
-
-The registry answers every heartbeat on its connection: ``Registered``, or ``Refused`` with the
-reason (a secret on one side only, a malformed registration, too many instances). Both sides
-log a refusal at WARNING, so a misconfigured deployment is visible from either end; refused
-senders are listed (by the engine id they claim) in the proxy's ``/instances``.
-"""
+"""InstanceRegistry: the proxy's side of service discovery (who is alive, and what each one
+is), fed by the registry's listener thread. The messages are ``serving/registration.py``'s."""
 
 from __future__ import annotations
 
@@ -32,122 +10,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
-import msgspec
-
-from pagedkv.kv_cache.block_hash import HASH_FUNCTIONS
-from pagedkv.kv_connector.config import KV_ROLES
-from pagedkv.transport.codec import Codec, ProtocolError
+from pagedkv.entrypoints.serving.registration import (
+    PLAIN_ROLE,
+    Deregister,
+    Refused,
+    Register,
+    Registered,
+    registry_codec,
+)
+from pagedkv.kv_connector.config import KVRole
+from pagedkv.transport.codec import ProtocolError
 from pagedkv.transport.control_plane import ControlPlane
-from pagedkv.transport.peer_addr import PeerAddr, check_host, check_port, warn_if_open
+from pagedkv.transport.peer_addr import PeerAddr, warn_if_open
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-#: The registry's namespace in the envelope (the KV control plane uses the model fingerprint).
-REGISTRY_NAMESPACE = "pagedkv-registry-v1"
-MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
 #: Instances the proxy tracks at once: registrations from more engine ids are refused.
 MAX_INSTANCES = 4096
 #: Refused senders remembered for ``/instances`` (the most recent ones).
 MAX_REFUSED = 64
-PREFILL_ROLES = ("kv_producer", "kv_both")
-DECODE_ROLES = ("kv_consumer", "kv_both")
-#: An instance without the P2P connector: it serves requests whole (data parallel).
-PLAIN_ROLE = "plain"
-ROLES = (PLAIN_ROLE, *KV_ROLES)
-
-
-class Register(msgspec.Struct, frozen=True):
-    """I am alive (a heartbeat). The KV address and engine id are the envelope's sender.
-    Checked on construction and decoding (a bad one is a ``malformed`` message): the proxy
-    builds request URLs from ``http_url``, and httpx raises on a malformed one."""
-
-    role: str  # plain, or the P2P connector's kv_role: kv_producer | kv_consumer | kv_both
-    http_url: str
-    model: str
-    #: Model, dtype and KV layout: the proxy pairs P and D only when these are equal.
-    fingerprint: str
-    num_running: int = 0
-    num_waiting: int = 0
-    #: What the fingerprint stands for, readable ("llama, 4 layers; float32; block_size 16;
-    #: ..."): the proxy shows it when two instances do not pair.
-    kv_layout: str = ""
-    #: The instance signs its messages (it has the shared secret).
-    signs: bool = False
-    #: Prefix caching: how the instance hashes full blocks ("": prefix caching off).
-    hash_algo: str = ""
-    block_size: int = 0
-    num_kv_cache_groups: int = 1
-    #: Where its KV events are published ("": not published).
-    kv_events_endpoint: str = ""
-    kv_events_replay_endpoint: str = ""
-    kv_events_topic: str = ""
-    #: Random per process: a new one means the instance restarted (its cache is new).
-    boot_id: str = ""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r:.40}")
-        try:
-            url = httpx.URL(self.http_url)
-        except httpx.InvalidURL as e:
-            raise ValueError(f"http_url: {e}") from None
-        if url.scheme not in ("http", "https") or not url.host or url.query or url.fragment:
-            raise ValueError(f"http_url must be http(s)://host[:port][/path], got {url!s:.80}")
-        if self.num_running < 0 or self.num_waiting < 0:
-            raise ValueError("num_running and num_waiting must be >= 0")
-        if self.block_size < 0 or self.num_kv_cache_groups < 1:
-            raise ValueError("block_size must be >= 0 and num_kv_cache_groups >= 1")
-        if self.hash_algo and (self.hash_algo not in HASH_FUNCTIONS or not self.block_size):
-            raise ValueError(
-                f"hash_algo must be one of {sorted(HASH_FUNCTIONS)} with a block_size, "
-                f"got {self.hash_algo!r:.40}"
-            )
-        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            check_zmq_endpoint(name, getattr(self, name))
-
-
-def check_zmq_endpoint(name: str, endpoint: str) -> None:
-    """``tcp://host:port`` (host checked as a P2P host is) or empty: the proxy connects to it."""
-    if not endpoint:
-        return
-    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
-    try:
-        if not endpoint.startswith("tcp://") or not sep or not port.isdigit():
-            raise ValueError("not tcp://host:port")
-        check_host(host)
-        check_port(int(port))
-    except ValueError as e:
-        raise ValueError(f"{name} must be tcp://host:port, got {endpoint!r:.80}: {e}") from None
-
-
-class Deregister(msgspec.Struct, frozen=True):
-    """I am shutting down."""
-
-
-class Registered(msgspec.Struct, frozen=True):
-    """Proxy -> instance: your heartbeat is in (``note``: why you cannot be paired, if so)."""
-
-    note: str = ""
-
-
-class Refused(msgspec.Struct, frozen=True):
-    """Proxy -> instance: your registration was refused, and why."""
-
-    reason: str
-
-
-REGISTRY_MESSAGES: dict[str, type[msgspec.Struct]] = {
-    "register": Register,
-    "deregister": Deregister,
-    "registered": Registered,
-    "refused": Refused,
-}
-
-
-def registry_codec(secret: bytes | None) -> Codec:
-    return Codec(REGISTRY_NAMESPACE, secret, MAX_REGISTRY_MESSAGE_BYTES, REGISTRY_MESSAGES)
 
 
 @dataclass
@@ -161,12 +43,17 @@ class Instance:
         return self.kv.engine_id
 
     @property
+    def kv_role(self) -> KVRole | None:
+        """None for a replica (never paired)."""
+        return None if self.info.role == PLAIN_ROLE else KVRole(self.info.role)
+
+    @property
     def is_prefill(self) -> bool:
-        return self.info.role in PREFILL_ROLES
+        return self.kv_role is not None and self.kv_role.produces
 
     @property
     def is_decode(self) -> bool:
-        return self.info.role in DECODE_ROLES
+        return self.kv_role is not None and self.kv_role.consumes
 
     @property
     def is_replica(self) -> bool:

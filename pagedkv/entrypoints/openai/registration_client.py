@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pagedkv.entrypoints.proxy.registry import (
+from pagedkv.entrypoints.serving.registration import (
     MAX_REGISTRY_MESSAGE_BYTES,
     Deregister,
     Refused,
