@@ -7,9 +7,7 @@ step(): Scheduler.schedule() -> ModelRunner.execute_model() -> Scheduler.update_
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -17,6 +15,7 @@ from typing import NamedTuple
 
 from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from pagedkv.engine.engine_description import EngineDescription, ModelIdentity
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
@@ -26,6 +25,7 @@ from pagedkv.engine.structured_output_manager import StructuredOutputManager
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
@@ -114,14 +114,17 @@ class LLMEngine:
             if args.enable_prefix_caching
             else None
         )
+        dtype = str(self.model_runner.dtype).removeprefix("torch.")
+        identity = ModelIdentity.of(model_path, dtype, self.kv_cache_config, args.block_size)
         self.kv_transfer_config = None
         connector = None
         if args.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_dict(args.kv_transfer_config)
             connector, connector_worker = create_connector(
-                self.kv_transfer_config, self.kv_cache_config, self.model_fingerprint()
+                self.kv_transfer_config, self.kv_cache_config, identity.fingerprint
             )
             self.model_runner.set_kv_connector(connector_worker)
+        self.description = self._describe(identity, connector)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputManager(
@@ -138,6 +141,28 @@ class LLMEngine:
             args.block_size,
             self.max_model_len,
         )
+
+    def _describe(
+        self, identity: ModelIdentity, connector: KVConnectorBase | None
+    ) -> EngineDescription:
+        publisher, caching = self.kv_event_publisher, self.block_hasher is not None
+        return EngineDescription(
+            model_path=self.args.model_path,
+            max_model_len=self.max_model_len,
+            identity=identity,
+            hash_algo=self.args.prefix_caching_hash_algo if caching else "",
+            hash_block_size=self.kv_cache_config.hash_block_size if caching else 0,
+            num_kv_cache_groups=len(self.kv_cache_config.kv_cache_groups),
+            kv_events_endpoint=publisher.endpoint if publisher else "",
+            kv_events_replay_endpoint=(publisher.replay_endpoint or "") if publisher else "",
+            kv_events_topic=self.kv_events_config.topic,
+            kv_role=self.kv_transfer_config.kv_role if self.kv_transfer_config else None,
+            kv_peer=connector.peer_address if connector else None,
+        )
+
+    def load(self) -> tuple[int, int]:
+        """Requests running and waiting now (plain ints the engine thread writes)."""
+        return self.scheduler.stats.num_running_reqs, self.scheduler.stats.num_waiting_reqs
 
     def _kv_cache_budget(self, layer_specs) -> int:
         """Bytes for the KV cache: the configured budget, capped at what max_num_seqs full-length
@@ -178,33 +203,6 @@ class LLMEngine:
             f"request of max_model_len={self.max_model_len} tokens "
             f"({blocks_for(self.max_model_len)} blocks): raise --kv-cache-memory or "
             f"--num-gpu-blocks-override, or set --max-model-len {lo} or less"
-        )
-
-    def model_fingerprint(self) -> str:
-        """Model, dtype and KV layout: instances exchange KV only when these are equal."""
-        config = json.loads((self.args.model_path / "config.json").read_text())
-        groups = [
-            (g.kv_cache_spec, len(g.layer_names)) for g in self.kv_cache_config.kv_cache_groups
-        ]
-        identity = json.dumps(
-            [config, str(self.model_runner.dtype), repr(groups)], sort_keys=True, default=str
-        )
-        return hashlib.sha256(identity.encode()).hexdigest()[:32]
-
-    def kv_layout(self) -> str:
-        """What the fingerprint stands for, readable: ``llama (4 layers); float32;
-        block_size 16; FullAttentionSpec x4 (4 KV heads x 64)``. Shown by a proxy when two
-        instances do not pair."""
-        config = json.loads((self.args.model_path / "config.json").read_text())
-        groups = "; ".join(
-            f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)} "
-            f"({g.kv_cache_spec.num_kv_heads} KV heads x {g.kv_cache_spec.head_size})"
-            for g in self.kv_cache_config.kv_cache_groups
-        )
-        dtype = str(self.model_runner.dtype).removeprefix("torch.")
-        return (
-            f"{config.get('model_type', '?')} ({config.get('num_hidden_layers', '?')} layers); "
-            f"{dtype}; block_size {self.args.block_size}; {groups}"
         )
 
     # ------------------------------------------------------------------ requests

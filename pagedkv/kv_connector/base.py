@@ -28,6 +28,7 @@ from pagedkv.kv_connector.protocols import (
     LayerAttentionMetadata,
     ScheduledStep,
 )
+from pagedkv.transport.peer_addr import PeerAddr
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,12 @@ class KVConnectorBase(ABC):
     @property
     def load_failure_policy(self) -> str:
         return self.config.kv_load_failure_policy or self.default_load_failure_policy
+
+    @property
+    def peer_address(self) -> PeerAddr | None:
+        """Where this connector pairs with peers through a proxy (P2P's control plane); None
+        for one that does not pair (a store connector: its instances register as replicas)."""
+        return None
 
     def on_new_request(self, request: ConnectorRequest) -> None:
         """A request arrived (before any admission attempt)."""

@@ -30,6 +30,8 @@ import msgspec
 from pagedkv.transport.peer_addr import PeerAddr
 
 PROTOCOL_VERSION = 2
+#: The shared secret's variable: every instance and proxy of a deployment signs with it.
+SECRET_ENV = "PAGEDKV_KV_SECRET"
 MAX_ENVELOPE_BYTES = 1024
 MAC_BYTES = 32
 

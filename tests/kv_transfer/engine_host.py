@@ -182,7 +182,7 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
                 reply = {
                     "num_prompt_tokens": engine.get_stats().num_prompt_tokens,
                     "num_preemptions": engine.get_stats().num_preemptions,
-                    "fingerprint": engine.model_fingerprint(),
+                    "fingerprint": engine.description.identity.fingerprint,
                     "kv_cache_usage": engine.kv_cache_manager.usage,
                     "unfinished": engine.has_unfinished_requests(),
                     "connector": connector.get_kv_connector_stats()

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import time
-import uuid
 from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -42,18 +40,12 @@ from pagedkv.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedkv.entrypoints.openai.registration_client import (
-    RegistrationClient,
-    close_all,
-    proxy_addresses,
-)
+from pagedkv.entrypoints.openai.registration import RegistrationConfig, start_registration
+from pagedkv.entrypoints.openai.registration_client import close_all
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedkv.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedkv.entrypoints.serving.draining_server import KEEP_ALIVE_S, DrainingServer
-from pagedkv.entrypoints.serving.registration import PLAIN_ROLE, Register
-from pagedkv.kv_transfer.p2p.config import SECRET_ENV
-from pagedkv.transport.peer_addr import PeerAddr
+from pagedkv.entrypoints.serving.draining_server import DrainingServer
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +87,7 @@ def build_app(
 
     card = ModelCard(
         id=served_model_name,
-        root=str(async_llm.llm_engine.args.model_path),
+        root=str(async_llm.llm_engine.description.model_path),
         max_model_len=async_llm.max_model_len,
     )
 
@@ -164,11 +156,9 @@ def build_app(
 
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     engine_args = EngineArgs.from_cli_args(args)
     extra = (engine_args.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
-    proxies = proxy_addresses(args.registry, extra)  # a bad list fails before the model loads
+    registration = RegistrationConfig.from_args(args.registry, extra)  # fails before loading
     served_model_name = args.served_model_name or engine_args.model_path.name
     registry = CollectorRegistry()
     async_llm = AsyncLLM(engine_args, [PrometheusStatLogger(registry, served_model_name)])
@@ -178,7 +168,9 @@ def run_server(args: argparse.Namespace) -> None:
     if engine.kv_event_publisher is not None:
         stats = engine.kv_event_publisher.get_stats
         registry.register(KVTransferCollector(stats, served_model_name, "kv_events"))
-    registrations = start_registration(async_llm, args, served_model_name, proxies)
+    registrations = start_registration(
+        engine.description, engine.load, registration, served_model_name, args.host, args.port
+    )
     app = build_app(
         async_llm,
         served_model_name,
@@ -186,25 +178,15 @@ def run_server(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_body_bytes=args.max_request_body_bytes,
     )
-    drain_began: list[float] = []
+    drain_began: float | None = None
 
     def begin_drain() -> None:
         """Leave the proxies' routing first: no new request is sent here from now on."""
-        drain_began.append(time.monotonic())
+        nonlocal drain_began
+        drain_began = drain_began or time.monotonic()
         close_all(registrations)
 
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        ),
-        args.shutdown_timeout,
-        begin_drain,
-        async_llm.abort_all,
-    )
+    server = DrainingServer.for_app(app, args, begin_drain, async_llm.abort_all)
     logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
     try:
         server.run()
@@ -212,84 +194,7 @@ def run_server(args: argparse.Namespace) -> None:
         begin_drain()  # idempotent: a server that failed to start deregisters too
         # What the engine still holds once the HTTP side is done (KV a decode instance is
         # still pulling from this one) gets what is left of the shutdown timeout.
-        left = drain_began[0] + args.shutdown_timeout - time.monotonic()
+        left = (drain_began or 0.0) + args.shutdown_timeout - time.monotonic()
         async_llm.shutdown(drain_s=max(left, 0.0))
         async_llm.llm_engine.shutdown()  # the KV connector: peers told, threads and sockets
         logger.info("shut down")
-
-
-def start_registration(
-    async_llm: AsyncLLM,
-    args: argparse.Namespace,
-    served_model_name: str,
-    proxies: list[tuple[str, int]],
-) -> list[RegistrationClient]:
-    """Announce this instance to each ``pagedkv proxy`` in ``proxies`` (``proxy_addresses``:
-    ``--registry``, or the P2P connector's ``kv_connector_extra_config``), with heartbeats
-    every ``proxy_heartbeat_s`` (default 2 s), one client per proxy."""
-    engine = async_llm.llm_engine
-    kv = engine.kv_transfer_config
-    extra = kv.kv_connector_extra_config if kv is not None else {}
-    if not proxies:
-        return []
-    secret = extra.get("shared_secret") or os.environ.get(SECRET_ENV)
-    host = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-    if kv is not None and kv.kv_connector == "P2pConnector":
-        role, me = kv.kv_role, PeerAddr(kv.engine_id, kv.kv_ip, kv.kv_port)
-        host = host if args.host not in ("", "0.0.0.0", "::") else kv.kv_ip
-    else:  # served whole: the HTTP address names it
-        role, me = PLAIN_ROLE, PeerAddr(f"{host}:{args.port}", host, args.port)
-    http_url = f"http://{host}:{args.port}"
-    fingerprint, kv_layout = engine.model_fingerprint(), engine.kv_layout()
-    caching = engine.block_hasher is not None
-    publisher = engine.kv_event_publisher
-    boot_id = uuid.uuid4().hex
-
-    def describe() -> Register:
-        stats = engine.scheduler.stats  # plain ints written by the engine thread
-        return Register(
-            role=role,
-            http_url=http_url,
-            model=served_model_name,
-            fingerprint=fingerprint,
-            num_running=stats.num_running_reqs,
-            num_waiting=stats.num_waiting_reqs,
-            kv_layout=kv_layout,
-            signs=bool(secret),
-            hash_algo=engine.args.prefix_caching_hash_algo if caching else "",
-            block_size=engine.kv_cache_config.hash_block_size if caching else 0,
-            num_kv_cache_groups=len(engine.kv_cache_config.kv_cache_groups),
-            kv_events_endpoint=_reachable(publisher.endpoint, host) if publisher else "",
-            kv_events_replay_endpoint=(
-                _reachable(publisher.replay_endpoint, host)
-                if publisher and publisher.replay_endpoint
-                else ""
-            ),
-            kv_events_topic=engine.kv_events_config.topic,
-            boot_id=boot_id,
-        )
-
-    where = ", ".join(f"{proxy_host}:{proxy_port}" for proxy_host, proxy_port in proxies)
-    try:
-        describe()  # a registration the proxies would refuse fails here, at startup
-    except ValueError as e:
-        raise ValueError(f"registering with {where}: {e}") from None
-    interval_s = float(extra.get("proxy_heartbeat_s", 2.0))
-    clients = [
-        RegistrationClient(
-            proxy_host, proxy_port, me, describe, secret.encode() if secret else None, interval_s
-        )
-        for proxy_host, proxy_port in proxies
-    ]
-    for client in clients:
-        client.start()
-    logger.info("registering as %s with the proxies at %s", role, where)
-    return clients
-
-
-def _reachable(endpoint: str, host: str) -> str:
-    """A bound ``tcp://0.0.0.0:PORT`` (any interface) as the address peers connect to."""
-    for wildcard in ("tcp://0.0.0.0:", "tcp://[::]:"):
-        if endpoint.startswith(wildcard):
-            return f"tcp://{host}:{endpoint.removeprefix(wildcard)}"
-    return endpoint

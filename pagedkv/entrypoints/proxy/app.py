@@ -30,9 +30,9 @@ from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
-from pagedkv.entrypoints.serving.draining_server import KEEP_ALIVE_S, DrainingServer
+from pagedkv.entrypoints.serving.draining_server import DrainingServer
 from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
-from pagedkv.kv_transfer.p2p.config import SECRET_ENV
+from pagedkv.transport.codec import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +174,6 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
 
 
 def run_proxy(args) -> None:
-    import uvicorn
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     secret = os.environ.get(SECRET_ENV)
     registry = InstanceRegistry(
@@ -204,17 +202,7 @@ def run_proxy(args) -> None:
         disagg_threshold=args.disagg_threshold,
     )
     app = build_proxy_app(registry, router, config)
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        ),
-        args.shutdown_timeout,
-        abort_in_flight=app.state.proxy.abort_in_flight,
-    )
+    server = DrainingServer.for_app(app, args, abort_in_flight=app.state.proxy.abort_in_flight)
     logger.info(
         "proxy on http://%s:%d, registry tcp://%s:%d (%s)",
         args.host,

@@ -16,6 +16,7 @@ A second SIGINT (Ctrl-C twice) forces the exit at once, as in uvicorn.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -23,6 +24,7 @@ import signal
 import threading
 from collections.abc import Callable, Generator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -55,6 +57,26 @@ class DrainingServer(uvicorn.Server):
         self._abort_in_flight = abort_in_flight
         #: The signal that started the drain (None: not by a signal).
         self.signal: int | None = None
+
+    @classmethod
+    def for_app(
+        cls,
+        app: Any,
+        args: argparse.Namespace,
+        begin_drain: Callable[[], None] = lambda: None,
+        abort_in_flight: Callable[[str], None] = lambda reason: None,
+    ) -> DrainingServer:
+        """``app`` served as ``pagedkv serve`` and ``pagedkv proxy`` serve theirs: on
+        ``args.host``:``args.port`` at ``args.log_level``, draining for ``args.shutdown_timeout``
+        seconds, idle connections kept ``KEEP_ALIVE_S``."""
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
+        return cls(config, args.shutdown_timeout, begin_drain, abort_in_flight)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from pagedkv.known_keys import from_known_keys
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.transport.codec import SECRET_ENV
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
-SECRET_ENV = "PAGEDKV_KV_SECRET"
 #: Extra-config keys read by ``pagedkv serve`` (registration with ``pagedkv proxy``s:
 #: ``proxies``, a list of "HOST:PORT", or one proxy as ``proxy_ip``/``proxy_port``).
 SERVER_KEYS = ("proxies", "proxy_ip", "proxy_port", "proxy_heartbeat_s")

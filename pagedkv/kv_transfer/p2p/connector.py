@@ -371,5 +371,8 @@ class P2pConnector(KVConnectorBase):
                 producing.expected_peer,
             )
         )
-        me = PeerAddr(self.config.engine_id, self.config.kv_ip, self.config.kv_port)
-        return True, KVTransferParams.handoff(transfer_id, me, to="decode").to_dict()
+        return True, KVTransferParams.handoff(transfer_id, self.peer_address, to="decode").to_dict()
+
+    @property
+    def peer_address(self) -> PeerAddr:
+        return PeerAddr(self.config.engine_id, self.config.kv_ip, self.config.kv_port)

@@ -17,7 +17,7 @@ from tests.tiny_models import random_prompt
 def block_keys(llm, prompt: list[int], group_id: int = 0) -> list[str]:
     """Store keys of the prompt's full blocks (one KV cache group)."""
     engine = llm.llm_engine
-    fingerprint = engine.model_fingerprint()
+    fingerprint = engine.description.identity.fingerprint
     return [block_key(fingerprint, group_id, h) for h in engine.block_hasher.hash_token_ids(prompt)]
 
 
