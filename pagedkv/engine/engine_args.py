@@ -8,9 +8,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pagedkv.arg_types import positive_int
-from pagedkv.worker.worker_config import WorkerConfig
+from pagedkv.worker.config import WorkerConfig
 
 DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -59,6 +60,103 @@ def _json_dict(text: str) -> dict:
     return value
 
 
+#: The engine flags after ``--model``, in ``--help`` order (``add_argument`` keywords but the
+#: default, which is the ``EngineArgs`` field's).
+_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--tokenizer", dict(help="tokenizer directory (default: the model's)")),
+    (
+        "--dtype",
+        dict(
+            choices=["auto", *_DTYPES],
+            help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)",
+        ),
+    ),
+    ("--seed", dict(type=int, help="random seed for sampling")),
+    ("--device", dict(choices=["auto", "cpu", "cuda"])),
+    (
+        "--max-model-len",
+        dict(
+            type=positive_int, help="context length (default: the model's max_position_embeddings)"
+        ),
+    ),
+    ("--block-size", dict(type=positive_int, help="tokens per KV cache block")),
+    (
+        "--kv-cache-memory",
+        dict(
+            type=_size,
+            help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
+        ),
+    ),
+    (
+        "--num-gpu-blocks-override",
+        dict(
+            type=positive_int, help="exact number of KV cache blocks (overrides --kv-cache-memory)"
+        ),
+    ),
+    ("--gpu-memory-utilization", dict(type=float)),
+    (
+        "--enable-prefix-caching",
+        dict(action=argparse.BooleanOptionalAction, help="reuse the KV of shared prompt prefixes"),
+    ),
+    ("--prefix-caching-hash-algo", dict(choices=["xxh3_128", "sha256"])),
+    ("--max-num-seqs", dict(type=positive_int, help="most requests in one batch")),
+    (
+        "--max-num-batched-tokens",
+        dict(type=positive_int, help="token budget of one step (prefill chunks + decodes)"),
+    ),
+    ("--enable-chunked-prefill", dict(action=argparse.BooleanOptionalAction)),
+    ("--scheduling-policy", dict(choices=["fcfs", "priority"])),
+    (
+        "--attention-backend",
+        dict(choices=["torch", "triton"], help="default: torch on CPU, triton on CUDA"),
+    ),
+    (
+        "--enforce-eager",
+        dict(
+            action="store_true",
+            help="no kernels compiled at startup (CPU: attention gathers blocks and runs SDPA "
+            "instead of the compiled paged decode and prefill kernels; norms, activations, "
+            "RoPE, one-row projections and the greedy argmax run as torch ops)",
+        ),
+    ),
+    (
+        "--retune-kernels",
+        dict(
+            action="store_true",
+            help="time again which of two equivalent CPU kernels each fp32 product takes "
+            "(oneDNN or MKL, the LM head's layouts) and rewrite the per-machine file that "
+            "keeps the choices (also $PAGEDKV_RETUNE_KERNELS=1); without it a start reads "
+            "the file, so restarts give the same outputs",
+        ),
+    ),
+    (
+        "--kv-transfer-config",
+        dict(
+            type=_json_dict,
+            help="KV connector config as JSON, e.g. "
+            '\'{"kv_connector":"P2pConnector","kv_role":"kv_producer"}\'',
+        ),
+    ),
+    (
+        "--generation-config",
+        dict(
+            metavar="{auto,vllm,DIR}",
+            help="sampling defaults for requests that do not set them: auto (the model's "
+            "generation_config.json), vllm (vLLM's own: temperature 1, ...) or a directory",
+        ),
+    ),
+    (
+        "--kv-events-config",
+        dict(
+            type=_json_dict,
+            help="publish KV cache events (vLLM's), e.g. "
+            '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
+            '"endpoint":"tcp://127.0.0.1:5557","replay_endpoint":"tcp://127.0.0.1:5558"}\'',
+        ),
+    ),
+)
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -96,10 +194,17 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(name, "must be an integer >= 1")
-        for name in ("max_model_len", "num_gpu_blocks_override", "kv_cache_memory"):
+        for name, low in (
+            ("max_model_len", 1),
+            ("num_gpu_blocks_override", 2),
+            ("kv_cache_memory", 1),
+        ):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                fail(name, "must be an integer >= 1 (or None for the default)")
+            if value is not None and (not isinstance(value, int) or value < low):
+                fail(name, f"must be an integer >= {low} (or None for the default)")
+        fraction = self.gpu_memory_utilization
+        if not (isinstance(fraction, int | float) and 0 < fraction <= 1):
+            fail("gpu_memory_utilization", "must be in (0, 1]")
         if self.dtype not in ("auto", *_DTYPES):
             fail("dtype", f"must be one of auto, {', '.join(_DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -113,12 +218,9 @@ class EngineArgs:
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_PATH
 
-    def create_worker_config(self) -> WorkerConfig:
-        fields = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model_path"}
-        return WorkerConfig(self.model_path, **{name: getattr(self, name) for name in fields})
-
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        """The ``engine`` flags (``_FLAGS``); each default is the field's."""
         g = parser.add_argument_group("engine")
         help_model = "Hugging Face model directory (default: the built-in model)"
         if model_positional:
@@ -128,104 +230,14 @@ class EngineArgs:
             )
         else:
             g.add_argument("--model", default=None, help=help_model)
-        g.add_argument(
-            "--tokenizer", default=None, help="tokenizer directory (default: the model's)"
-        )
-        g.add_argument(
-            "--dtype",
-            default="auto",
-            choices=["auto", *_DTYPES],
-            help="weights and activations dtype (auto: the checkpoint's on GPU, float32 on CPU)",
-        )
-        g.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-        g.add_argument(
-            "--max-model-len",
-            type=positive_int,
-            default=None,
-            help="context length (default: the model's max_position_embeddings)",
-        )
-        g.add_argument(
-            "--block-size", type=positive_int, default=16, help="tokens per KV cache block"
-        )
-        g.add_argument(
-            "--kv-cache-memory",
-            type=_size,
-            default=None,
-            help="KV cache size, e.g. 2GiB (default: 1GiB on CPU, --gpu-memory-utilization on GPU)",
-        )
-        g.add_argument(
-            "--num-gpu-blocks-override",
-            type=positive_int,
-            default=None,
-            help="exact number of KV cache blocks (overrides --kv-cache-memory)",
-        )
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="reuse the KV of shared prompt prefixes",
-        )
-        g.add_argument(
-            "--prefix-caching-hash-algo", default="xxh3_128", choices=["xxh3_128", "sha256"]
-        )
-        g.add_argument(
-            "--max-num-seqs", type=positive_int, default=256, help="most requests in one batch"
-        )
-        g.add_argument(
-            "--max-num-batched-tokens",
-            type=positive_int,
-            default=8192,
-            help="token budget of one step (prefill chunks + decodes)",
-        )
-        g.add_argument(
-            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-        )
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-        g.add_argument(
-            "--attention-backend",
-            default=None,
-            choices=["torch", "triton"],
-            help="default: torch on CPU, triton on CUDA",
-        )
-        g.add_argument(
-            "--enforce-eager",
-            action="store_true",
-            help="no kernels compiled at startup (CPU: attention gathers blocks and runs SDPA "
-            "instead of the compiled paged decode and prefill kernels; norms, activations, "
-            "RoPE, one-row projections and the greedy argmax run as torch ops)",
-        )
-        g.add_argument(
-            "--retune-kernels",
-            action="store_true",
-            help="time again which of two equivalent CPU kernels each fp32 product takes "
-            "(oneDNN or MKL, the LM head's layouts) and rewrite the per-machine file that "
-            "keeps the choices (also $PAGEDKV_RETUNE_KERNELS=1); without it a start reads "
-            "the file, so restarts give the same outputs",
-        )
-        g.add_argument(
-            "--kv-transfer-config",
-            type=_json_dict,
-            default=None,
-            help="KV connector config as JSON, e.g. "
-            '\'{"kv_connector":"P2pConnector","kv_role":"kv_producer"}\'',
-        )
-        g.add_argument(
-            "--generation-config",
-            default="auto",
-            metavar="{auto,vllm,DIR}",
-            help="sampling defaults for requests that do not set them: auto (the model's "
-            "generation_config.json), vllm (vLLM's own: temperature 1, ...) or a directory",
-        )
-        g.add_argument(
-            "--kv-events-config",
-            type=_json_dict,
-            default=None,
-            help="publish KV cache events (vLLM's), e.g. "
-            '\'{"enable_kv_cache_events":true,"publisher":"zmq",'
-            '"endpoint":"tcp://127.0.0.1:5557","replay_endpoint":"tcp://127.0.0.1:5558"}\'',
-        )
+        defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        for flag, kwargs in _FLAGS:
+            g.add_argument(flag, default=defaults[flag[2:].replace("-", "_")], **kwargs)
+
+    def create_worker_config(self) -> WorkerConfig:
+        """What the model runner reads: the fields of ``WorkerConfig``, named as here."""
+        names = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model_path"}
+        return WorkerConfig(self.model_path, **{name: getattr(self, name) for name in names})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -80,11 +80,3 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> KVTransferConfig:
         return from_known_keys(cls, config, "kv_transfer_config field(s)")
-
-    @property
-    def is_kv_producer(self) -> bool:
-        return self.kv_role.produces
-
-    @property
-    def is_kv_consumer(self) -> bool:
-        return self.kv_role.consumes

@@ -33,6 +33,7 @@ from pagedkv.model.sampler import (
     sample,
 )
 from pagedkv.utils import cdiv
+from pagedkv.worker.config import WorkerConfig
 from pagedkv.worker.host_memory import keep_freed_host_memory
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.model_runner_output import (
@@ -43,7 +44,6 @@ from pagedkv.worker.model_runner_output import (
 from pagedkv.worker.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from pagedkv.worker.scheduler_output import GrammarBitmask, SchedulerOutput
 from pagedkv.worker.warm_up import warm_up_steps
-from pagedkv.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         #: Each layer's name in the KV cache config, by layer index (the one place it is made).
         self.layer_names = [f"layers.{i}" for i in range(self.model_config.num_hidden_layers)]
-        #: The worker half of a KV connector (duck-typed: this layer does not import it).
+        #: The worker half of a KV connector (the attention layers call its per-layer hooks).
         self.kv_connector: KVConnectorWorker | None = None
         #: Every path a request can take has run once (``warm_up``).
         self.warmed_up = False

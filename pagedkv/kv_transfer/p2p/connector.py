@@ -180,7 +180,7 @@ class P2pConnector(KVConnectorBase):
     # ------------------------------------------------------------------ D
     def _remote_load(self, request: ConnectorRequest) -> RemoteLoad | None:
         raw = request.kv_transfer_params
-        if not self.config.is_kv_consumer or not asks_for(raw, "do_remote_prefill"):
+        if not self.config.kv_role.consumes or not asks_for(raw, "do_remote_prefill"):
             return None
         return parse_remote_load(raw)
 
@@ -257,7 +257,7 @@ class P2pConnector(KVConnectorBase):
         """P: the params of a request whose KV goes to D (None: it does not ask for that);
         ValueError names a malformed field."""
         raw = request.kv_transfer_params
-        if not self.config.is_kv_producer or not asks_for(raw, "do_remote_decode"):
+        if not self.config.kv_role.produces or not asks_for(raw, "do_remote_decode"):
             return None
         return KVTransferParams.parse(raw, _SEND_FIELDS, required=["transfer_id"])
 

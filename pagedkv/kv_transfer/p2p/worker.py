@@ -80,7 +80,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         num_blocks = kv_cache_config.num_blocks
         self.outbound = OutboundTransfers(
             p2p,
-            config.is_kv_producer,
+            config.kv_role.produces,
             block_size,
             len(groups),
             num_blocks,
@@ -93,8 +93,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             config, p2p, block_size, num_blocks, self.peers, self.finished, self.stats
         )
         self.peers.bind(
-            self.outbound if config.is_kv_producer else None,
-            self.inbound if config.is_kv_consumer else None,
+            self.outbound if config.kv_role.produces else None,
+            self.inbound if config.kv_role.consumes else None,
         )
         self._stop = threading.Event()
         self._maintenance = threading.Thread(

@@ -134,7 +134,9 @@ class StoreConnector(KVConnectorBase):
         self.block_size = specs[0].block_size
         self.windows = [window_blocks(spec) for spec in specs]
         self.backend = (
-            create_backend(self.store_config, lookups_only=True) if config.is_kv_consumer else None
+            create_backend(self.store_config, lookups_only=True)
+            if config.kv_role.consumes
+            else None
         )
         self.stats = StoreStats()
         self._saves: dict[str, _SaveState] = {}
@@ -206,7 +208,7 @@ class StoreConnector(KVConnectorBase):
         lookup = self._lookups.pop(request.request_id, None)
         if not request.block_hashes and request.num_tokens >= self.block_size:
             self._warn_no_hashes()
-        if self.config.is_kv_producer:
+        if self.config.kv_role.produces:
             # Allocated again after a preemption: its puts queued before still count, so its
             # blocks are held until they end (build_connector_meta takes its new blocks).
             self._saves.setdefault(request.request_id, _SaveState(request, []))
@@ -234,7 +236,7 @@ class StoreConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ producer: saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
-        if self.config.is_kv_producer:
+        if self.config.kv_role.produces:
             for new in scheduler_output.scheduled_new_reqs:
                 state = self._saves[new.req_id]
                 state.block_ids = [list(ids) for ids in new.block_ids]

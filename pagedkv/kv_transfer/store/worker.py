@@ -32,7 +32,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         ttl_s = self.store_config.ttl_s
         self.recent_keys = RecentKeys(max_age_s=60.0 if ttl_s is None else min(60.0, ttl_s / 2))
         self.writer: BlockWriter | None = None
-        if config.is_kv_producer:
+        if config.kv_role.produces:
             self.writer = BlockWriter(
                 self.backend, self.stats, self.recent_keys, self.store_config.put_queue_bytes
             )
@@ -50,7 +50,7 @@ class StoreConnectorWorker(KVConnectorWorker):
             GroupLayout.of_group(gid, layer_groups, kv_caches)
             for gid in range(len(self.kv_cache_config.kv_cache_groups))
         ]
-        if self.config.is_kv_consumer:
+        if self.config.kv_role.consumes:
             self.fetcher = BlockFetcher(
                 self.backend, self.layouts, kv_caches, self.stats, self.recent_keys
             )
