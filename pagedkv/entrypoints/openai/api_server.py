@@ -18,16 +18,18 @@ import time
 from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
 from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
-from pagedkv.entrypoints.openai.errors import OpenAIError, model_not_found
+from pagedkv.entrypoints.openai.errors import (
+    OpenAIError,
+    add_openai_error_handlers,
+    model_not_found,
+)
 from pagedkv.entrypoints.openai.metrics import KVTransferCollector, PrometheusStatLogger
 from pagedkv.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,18 +52,6 @@ from pagedkv.entrypoints.serving.draining_server import DrainingServer
 logger = logging.getLogger(__name__)
 
 
-def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 as a 400: the first problem, and the top-level body field it is in."""
-    error = exc.errors()[0]
-    loc = [part for part in error.get("loc", ()) if part != "body"]
-    if error.get("type") == "json_invalid":
-        detail = error.get("ctx", {}).get("error", error.get("msg"))
-        return OpenAIError(f"request body is not valid JSON: {detail}")
-    param = loc[0] if loc and isinstance(loc[0], str) else None
-    where = ".".join(str(part) for part in loc)
-    return OpenAIError(f"{where}: {error.get('msg')}" if where else error.get("msg"), param)
-
-
 def build_app(
     async_llm: AsyncLLM,
     served_model_name: str,
@@ -70,9 +60,44 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app for one engine. ``registry`` holds its metrics (PrometheusStatLogger)."""
+    app = FastAPI(title="pagedkv", description="OpenAI-compatible API over a pagedkv engine")
+    app.include_router(_v1_routes(async_llm, served_model_name, api_key))
+    tokenization = OpenAIServingTokenization(async_llm, served_model_name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_llm.is_running:
+            raise OpenAIError("the engine is not running", status=HTTPStatus.SERVICE_UNAVAILABLE)
+        return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedkv.__version__)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(request)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_openai_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    return app
+
+
+def _v1_routes(async_llm: AsyncLLM, served_model_name: str, api_key: str | None) -> APIRouter:
+    """``/v1/models[/{id}]``, ``/v1/completions``, ``/v1/chat/completions``; with ``api_key``,
+    each needs ``Authorization: Bearer <key>``."""
     completions = OpenAIServingCompletion(async_llm, served_model_name)
     chat = OpenAIServingChat(async_llm, served_model_name)
-    tokenization = OpenAIServingTokenization(async_llm, served_model_name)
 
     async def check_api_key(request: Request) -> None:
         expected = f"Bearer {api_key}".encode()
@@ -84,7 +109,6 @@ def build_app(
             )
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
-
     card = ModelCard(
         id=served_model_name,
         root=str(async_llm.llm_engine.description.model_path),
@@ -111,47 +135,7 @@ def build_app(
     ) -> Response:
         return await chat.create_chat_completion(request, raw_request)
 
-    app = FastAPI(title="pagedkv", description="OpenAI-compatible API over a pagedkv engine")
-    app.include_router(v1)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not async_llm.is_running:
-            raise OpenAIError("the engine is not running", status=HTTPStatus.SERVICE_UNAVAILABLE)
-        return Response(status_code=200)
-
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
-
-    @app.get("/version")
-    async def version() -> VersionResponse:
-        return VersionResponse(version=pagedkv.__version__)
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(request)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
-        return exc.to_json_response()
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return validation_error(exc).to_json_response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
-
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
-    return app
+    return v1
 
 
 def run_server(args: argparse.Namespace) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from http import HTTPStatus
 
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
@@ -75,3 +78,32 @@ def bad_request_from(error: ValueError, param_names: dict[str, str]) -> OpenAIEr
     message = str(error)
     first_word = message.split(" ", 1)[0]
     return OpenAIError(message, param=param_names.get(first_word))
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's 422 as a 400: the first problem, and the top-level body field it is in."""
+    error = exc.errors()[0]
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid":
+        detail = error.get("ctx", {}).get("error", error.get("msg"))
+        return OpenAIError(f"request body is not valid JSON: {detail}")
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    where = ".".join(str(part) for part in loc)
+    return OpenAIError(f"{where}: {error.get('msg')}" if where else error.get("msg"), param)
+
+
+def add_openai_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's format: ours, FastAPI's validation errors (a 400 naming the
+    field) and Starlette's own (404 route, 405 method)."""
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.to_json_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return validation_error(exc).to_json_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
