@@ -138,27 +138,13 @@ class PagedPrefill:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"paged_prefill: sliding_window must be >= 1, got {sliding_window}")
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-        return bool(
-            self._functions[query.dtype](
-                out.data_ptr(),
-                query.data_ptr(),
-                kv_cache.data_ptr(),
-                token_starts.data_ptr(),
-                query_lens.data_ptr(),
-                seq_lens.data_ptr(),
-                block_table.data_ptr(),
-                scale,
-                block_table.shape[0],
-                query.shape[1],
-                head_size,
-                num_blocks,
-                block_size,
-                num_kv_heads,
-                block_table.shape[1],
-                sliding_window or 0,
-                torch.get_num_threads(),
-            )  # fmt: skip
-        )
+        handled = self._functions[query.dtype](
+            out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), token_starts.data_ptr(),
+            query_lens.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr(), scale,
+            block_table.shape[0], query.shape[1], head_size, num_blocks, block_size, num_kv_heads,
+            block_table.shape[1], sliding_window or 0, torch.get_num_threads(),
+        )  # fmt: skip
+        return bool(handled)
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,36 +83,12 @@ def paged_attention(
     masked out, so they must hold finite values (allocate the cache with ``torch.zeros``; every
     later write is a real token's key or value). Blocks outside a sliding window are never read.
     """
-    buffer = buffer if buffer is not None else GatherBuffer()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    query = query.contiguous() if kernels is not None else query
-    decodes, prefills = metadata.decode_batch, metadata.prefill_batch
-    if kernels is not None and decodes is not None:
-        kernels.decode(
-            out,
-            query,
-            kv_cache,
-            decodes.token_indices,
-            decodes.block_table,
-            decodes.seq_lens,
-            decodes.first_keys,
-            scale,
-        )
-    prefilled = (
-        kernels is not None
-        and prefills is not None
-        and kernels.prefill(
-            out,
-            query,
-            kv_cache,
-            prefills.token_starts,
-            prefills.query_lens,
-            prefills.seq_lens,
-            prefills.block_table,
-            scale,
-            metadata.sliding_window,
-        )
-    )
+    if kernels is not None:
+        query = query.contiguous()
+        if _compiled_attention(out, query, kv_cache, metadata, scale, kernels):
+            return out
+    buffer = buffer if buffer is not None else GatherBuffer()
     for bucket in metadata.decode_buckets if kernels is None else ():
         num_rows = bucket.token_indices.numel()
         kv = buffer.gather(kv_cache, bucket.block_ids)
@@ -126,7 +102,7 @@ def paged_attention(
             enable_gqa=True,
         )
         out[bucket.token_indices] = bucket_out.squeeze(2)
-    for chunk in metadata.prefill_chunks if not prefilled else ():
+    for chunk in metadata.prefill_chunks:
         kv = buffer.gather(kv_cache, chunk.block_ids)
         kv = kv[:, chunk.key_offset : chunk.key_offset + chunk.num_keys].transpose(1, 2)
         chunk_out = F.scaled_dot_product_attention(
@@ -140,3 +116,25 @@ def paged_attention(
         )
         out[chunk.token_start : chunk.token_end] = chunk_out[0].transpose(0, 1)
     return out
+
+
+def _compiled_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    kernels: CpuAttentionKernels,
+) -> bool:
+    """All decodes through one kernel call, then all prefill chunks through another: whether
+    every row is done (False: the prefill kernel declined the chunks' shapes)."""
+    decodes, prefills = metadata.decode_batch, metadata.prefill_batch
+    if decodes is not None:
+        kernels.decode(
+            out, query, kv_cache, decodes.token_indices, decodes.block_table, decodes.seq_lens,
+            decodes.first_keys, scale,
+        )  # fmt: skip
+    return prefills is None or kernels.prefill(
+        out, query, kv_cache, prefills.token_starts, prefills.query_lens, prefills.seq_lens,
+        prefills.block_table, scale, metadata.sliding_window,
+    )  # fmt: skip
