@@ -1,9 +1,8 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples.
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model, samples (``StepSampler``).
 
 Per step, everything is built on the host with numpy from the persistent InputBatch and handed
 to torch once: flat token ids and positions, and per KV cache group the block table rows and the
-slot mapping. Only requests that reach the end of their known tokens are sampled (a prefill chunk
-that stops mid-prompt produces nothing); prefill and decode return the same result type.
+slot mapping. Prefill and decode return the same result type.
 """
 
 from __future__ import annotations
@@ -25,32 +24,17 @@ from pagedkv.model.cpu_argmax import load_cpu_argmax
 from pagedkv.model.cpu_kernel_setup import attach_cpu_kernels
 from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
-from pagedkv.model.sampler import (
-    SAMPLING_EPS,
-    LogprobsTensors,
-    SamplingMetadata,
-    compute_prompt_logprobs,
-    sample,
-)
 from pagedkv.utils import cdiv
 from pagedkv.worker.config import WorkerConfig
 from pagedkv.worker.host_memory import keep_freed_host_memory
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
-from pagedkv.worker.model_runner_output import (
-    EMPTY_MODEL_RUNNER_OUTPUT,
-    Logprobs,
-    ModelRunnerOutput,
-)
+from pagedkv.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from pagedkv.worker.resolve import resolve_device, resolve_dtype, resolve_max_model_len
 from pagedkv.worker.scheduler_output import GrammarBitmask, SchedulerOutput
+from pagedkv.worker.step_sampler import StepSampler
 from pagedkv.worker.warm_up import warm_up_steps
 
 logger = logging.getLogger(__name__)
-
-
-def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
-    ids, values, ranks = tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks
-    return [Logprobs(i, v, r) for i, v, r in zip(ids, values, ranks.tolist())]
 
 
 class ModelRunner:
@@ -157,6 +141,9 @@ class ModelRunner:
             self.group_block_sizes,
             [cdiv(self.max_model_len, bs) for bs in self.group_block_sizes],
         )
+        self.step_sampler = StepSampler(
+            self.model, self.input_batch, self.device, self.argmax_kernel
+        )
 
     # ------------------------------------------------------------------ request state
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -259,9 +246,34 @@ class ModelRunner:
         input_ids = batch.token_ids_cpu[token_rows, positions]
         seq_lens = (num_computed + counts).astype(np.int32)
 
+        metadata = self._attention_metadata(query_start_loc, seq_lens, rows, token_rows, positions)
+        ctx = ForwardContext(self.kv_caches, metadata, self.attn_backend, self.kv_connector)
+        hidden_states = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            ctx,
+        )
+        sampled_token_ids, logprobs = self.step_sampler.sample(
+            hidden_states, rows, seq_lens, query_start_loc, grammar_bitmask
+        )
+        prompt_logprobs = self.step_sampler.prompt_logprobs(
+            rows, num_computed, counts, query_start_loc, hidden_states
+        )
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, prompt_logprobs, num_reqs)
+
+    def _attention_metadata(
+        self,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        rows: np.ndarray,
+        token_rows: np.ndarray,
+        positions: np.ndarray,
+    ) -> list[AttentionMetadata]:
+        """Each layer's metadata: one per KV cache group (its block table and slot mapping),
+        shared by the group's layers."""
         metadata_per_group = []
         for gid, block_size in enumerate(self.group_block_sizes):
-            table = batch.block_table[gid]
+            table = self.input_batch.block_table[gid]
             max_blocks = cdiv(int(seq_lens.max()), block_size)
             metadata_per_group.append(
                 AttentionMetadata.from_numpy(
@@ -274,153 +286,4 @@ class ModelRunner:
                     self.device,
                 )
             )
-        ctx = ForwardContext(
-            kv_caches=self.kv_caches,
-            attn_metadata=[metadata_per_group[g] for g in self.layer_to_group],
-            backend=self.attn_backend,
-            kv_connector=self.kv_connector,
-        )
-        hidden_states = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            ctx,
-        )
-
-        # Sample the requests whose known tokens are now all computed.
-        sample_idx = np.flatnonzero(seq_lens >= batch.num_tokens[rows])
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: list[Logprobs | None] | None = None
-        if sample_idx.size:
-            sampled_rows = rows[sample_idx]
-            last_token = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden_states[last_token])
-            states = None
-            if grammar_bitmask is None and batch.plain[sampled_rows].all():
-                metadata = SamplingMetadata(
-                    temperature=torch.zeros(sample_idx.size, device=self.device), all_greedy=True
-                )
-            else:
-                states = [batch.states[r] for r in sampled_rows]
-                self._mask_stop_tokens_before_min_tokens(logits, states)
-                metadata = self._sampling_metadata(states)
-                if grammar_bitmask is not None:
-                    self._add_grammar_bitmask(metadata, states, grammar_bitmask)
-            out = sample(logits, metadata, self.argmax_kernel)
-            tokens = out.sampled_token_ids.tolist()
-            batch.append_tokens(sampled_rows, tokens)
-            for i, token in zip(sample_idx.tolist(), tokens):
-                sampled_token_ids[i] = [token]
-            if out.logprobs is not None:
-                assert states is not None  # plain rows ask for no logprobs
-                logprobs = [None] * num_reqs
-                for j, (i, e) in enumerate(zip(sample_idx.tolist(), _to_logprobs(out.logprobs))):
-                    k = states[j].sampling_params.logprobs
-                    if k is not None:
-                        logprobs[i] = Logprobs(e.token_ids[: k + 1], e.logprobs[: k + 1], e.rank)  # type: ignore[index]
-
-        prompt_logprobs = self._prompt_logprobs(
-            req_ids, rows, num_computed, counts, query_start_loc, hidden_states
-        )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            sampled_token_ids=sampled_token_ids,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            num_reqs=num_reqs,
-        )
-
-    # ------------------------------------------------------------------ sampling helpers
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        device = self.device
-
-        def column(name: str, off: float, dtype=torch.float32) -> torch.Tensor | None:
-            values = [getattr(p, name) for p in params]
-            if all(v == off for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        all_greedy = all(p.temperature < SAMPLING_EPS for p in params)
-        top_k = None if all_greedy else column("top_k", 0, torch.int64)
-        if top_k is not None:
-            top_k = top_k.clamp(min=0)  # -1 and 0 both mean "off"
-            if not bool(top_k.any()):
-                top_k = None
-        has_penalties = any(p.has_penalties for p in params)
-        num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=top_k,
-            top_p=None if all_greedy else column("top_p", 1.0),
-            min_p=None if all_greedy else column("min_p", 0.0),
-            repetition_penalties=column("repetition_penalty", 1.0),
-            presence_penalties=column("presence_penalty", 0.0),
-            frequency_penalties=column("frequency_penalty", 0.0),
-            prompt_token_ids=[self._token_ids(s)[0] for s in states] if has_penalties else None,
-            output_token_ids=[self._token_ids(s)[1] for s in states] if has_penalties else None,
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
-            all_greedy=all_greedy,
-        )
-
-    def _add_grammar_bitmask(
-        self,
-        metadata: SamplingMetadata,
-        states: list[CachedRequestState],
-        grammar_bitmask: GrammarBitmask,
-    ) -> None:
-        """The engine's packed bitmask, unpacked on the host into the sampled rows' mask."""
-        sampled_row = {state.req_id: i for i, state in enumerate(states)}
-        rows = [sampled_row.get(req_id, -1) for req_id in grammar_bitmask.req_ids]
-        vocab_size = self.model_config.vocab_size
-        mask = np.ones((len(states), vocab_size), dtype=bool)
-        present = [i for i, row in enumerate(rows) if row >= 0]
-        mask[[rows[i] for i in present]] = grammar_bitmask.allowed(vocab_size)[present]
-        metadata.allowed_token_mask = torch.from_numpy(mask).to(self.device)
-
-    def _token_ids(self, state: CachedRequestState) -> tuple[np.ndarray, np.ndarray]:
-        """The request's prompt and output tokens so far (views of its row)."""
-        batch = self.input_batch
-        row = batch.req_id_to_index[state.req_id]
-        return batch.token_ids_cpu[row, : state.num_prompt_tokens], batch.output_token_ids(row)
-
-    def _mask_stop_tokens_before_min_tokens(
-        self, logits: torch.Tensor, states: list[CachedRequestState]
-    ) -> None:
-        """Until a request has ``min_tokens`` outputs, none of its stop ids (every EOS id
-        included, even under ``ignore_eos``) can be sampled, so the stop check after sampling
-        needs no min_tokens case."""
-        for i, state in enumerate(states):
-            params = state.sampling_params
-            if params.all_stop_token_ids and len(self._token_ids(state)[1]) < params.min_tokens:
-                logits[i, list(params.all_stop_token_ids)] = float("-inf")
-
-    def _prompt_logprobs(
-        self,
-        req_ids: list[str],
-        rows: np.ndarray,
-        num_computed: np.ndarray,
-        counts: np.ndarray,
-        query_start_loc: np.ndarray,
-        hidden_states: torch.Tensor,
-    ) -> dict[str, list[Logprobs]]:
-        """Logprob of prompt token ``p + 1`` for each prompt position ``p`` computed this step,
-        unless computed before (a preempted request computes its prompt again)."""
-        out: dict[str, list[Logprobs]] = {}
-        batch = self.input_batch
-        if batch.plain[rows].all():  # plain requests ask for no prompt logprobs
-            return out
-        for i, req_id in enumerate(req_ids):
-            state = batch.states[rows[i]]
-            k = state.sampling_params.prompt_logprobs
-            computed = int(num_computed[i])
-            start = max(computed, state.num_prompt_logprobs_computed)
-            end = min(computed + int(counts[i]), state.num_prompt_tokens - 1)
-            if k is None or start >= end:
-                continue
-            state.num_prompt_logprobs_computed = end
-            first = int(query_start_loc[i]) + start - computed
-            logits = self.model.compute_logits(hidden_states[first : first + end - start])
-            targets = torch.from_numpy(batch.token_ids_cpu[rows[i], start + 1 : end + 1])
-            out[req_id] = _to_logprobs(compute_prompt_logprobs(logits, targets.to(self.device), k))
-        return out
+        return [metadata_per_group[g] for g in self.layer_to_group]
