@@ -16,6 +16,16 @@ from pathlib import Path
 
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH, model_arg
 
+_SUMMARIES = {
+    "generate": "Complete prompts in one batch, streaming each completion to the terminal.",
+    "serve": "Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions).",
+    "proxy": "Front P and D instances (prefill/decode disaggregation) with one OpenAI HTTP API.",
+    "bench": "Benchmarks: offline throughput, or load against a running server.",
+    "throughput": "Offline throughput of LLM.generate: requests/s, input and output tokens/s.",
+    "bench-serve": "Streaming load against a running server: TTFT, ITL, E2E percentiles, "
+    "throughput.",
+}
+
 _EXAMPLES = {
     "generate": """examples:
   pagedkv generate "def fibonacci(n):"
@@ -125,16 +135,17 @@ class _CommandParser(argparse.ArgumentParser):
 def _add_command(
     subparsers,
     name: str,
-    summary: str,
     add_args: Callable[[argparse.ArgumentParser], None],
     func: Callable[[argparse.Namespace], None],
-    examples: str,
+    key: str | None = None,
 ) -> None:
+    """Adds command ``name``, its summary and examples those of ``key`` (default: ``name``)."""
+    key = key or name
     parser = subparsers.add_parser(
         name,
-        help=summary,
-        description=summary,
-        epilog=examples,
+        help=_SUMMARIES[key],
+        description=_SUMMARIES[key],
+        epilog=_EXAMPLES[key],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_args(parser)
@@ -156,54 +167,16 @@ def make_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         title="commands", metavar="COMMAND", required=True, parser_class=_CommandParser
     )
-    _add_command(
-        commands,
-        "generate",
-        "Complete prompts in one batch, streaming each completion to the terminal.",
-        generate.add_cli_args,
-        _generate,
-        _EXAMPLES["generate"],
-    )
-    _add_command(
-        commands,
-        "serve",
-        "Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions).",
-        serve_args.add_cli_args,
-        _serve,
-        _EXAMPLES["serve"],
-    )
-    _add_command(
-        commands,
-        "proxy",
-        "Front P and D instances (prefill/decode disaggregation) with one OpenAI HTTP API.",
-        proxy_args.add_cli_args,
-        _proxy,
-        _EXAMPLES["proxy"],
-    )
-    bench = commands.add_parser(
-        "bench",
-        help="Benchmarks: offline throughput, or load against a running server.",
-        description="Benchmarks: offline throughput, or load against a running server.",
-    )
+    _add_command(commands, "generate", generate.add_cli_args, _generate)
+    _add_command(commands, "serve", serve_args.add_cli_args, _serve)
+    _add_command(commands, "proxy", proxy_args.add_cli_args, _proxy)
+    summary = _SUMMARIES["bench"]
+    bench = commands.add_parser("bench", help=summary, description=summary)
     benches = bench.add_subparsers(
         title="benchmarks", metavar="BENCHMARK", required=True, parser_class=_CommandParser
     )
-    _add_command(
-        benches,
-        "throughput",
-        "Offline throughput of LLM.generate: requests/s, input and output tokens/s.",
-        throughput.add_cli_args,
-        _bench_throughput,
-        _EXAMPLES["throughput"],
-    )
-    _add_command(
-        benches,
-        "serve",
-        "Streaming load against a running server: TTFT, ITL, E2E percentiles, throughput.",
-        bench_serve.add_cli_args,
-        _bench_serve,
-        _EXAMPLES["bench-serve"],
-    )
+    _add_command(benches, "throughput", throughput.add_cli_args, _bench_throughput)
+    _add_command(benches, "serve", bench_serve.add_cli_args, _bench_serve, key="bench-serve")
     return parser
 
 

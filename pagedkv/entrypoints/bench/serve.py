@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import httpx
 import numpy as np
@@ -55,6 +56,65 @@ def _is_answer_to(chunk_id: str, request_id: str) -> bool:
     return chunk_id.endswith(request_id) or (retry.isdigit() and head.endswith(request_id))
 
 
+class _StreamRecorder:
+    """Reads one request's stream into its RequestResult: the arrival time of every choice,
+    the finish reasons, ``[DONE]`` and usage, and the first protocol surprise as the
+    result's error."""
+
+    def __init__(self, result: RequestResult) -> None:
+        self.result = result
+        self.token_times: list[float] = []
+        self.num_finished = self.num_done = 0
+        self.usage: dict | None = None
+
+    def record(self, line: str) -> bool:
+        """One line of the stream; False once the result has an error (read no further)."""
+        if not line.startswith("data: "):
+            return True
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            self.num_done += 1
+            return True
+        chunk = json.loads(data)
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            self.result.error = f"stream error: {message}"
+            return False
+        if not _is_answer_to(chunk.get("id", ""), self.result.request_id):
+            self.result.error = f"chunk of another request: {chunk.get('id')!r}"
+            return False
+        for choice in chunk["choices"]:
+            self.token_times.append(time.perf_counter())
+            if choice.get("finish_reason") is not None:
+                self.num_finished += 1
+                self.result.finish_reason = choice["finish_reason"]
+        self.usage = chunk.get("usage") or self.usage
+        return True
+
+    def complete(self, start: float, end: float) -> RequestResult:
+        """The result of a stream read to its end: ok only if it answered exactly once and
+        completely."""
+        result, usage, token_times = self.result, self.usage, self.token_times
+        if (self.num_finished, self.num_done) != (1, 1) or usage is None or not token_times:
+            result.error = (
+                f"incomplete or repeated answer: {self.num_finished} finish reasons, "
+                f"{self.num_done} [DONE], usage {'present' if usage else 'missing'}"
+            )
+        elif result.finish_reason == "error":
+            result.error = "finished with finish_reason 'error' (the server's log says why)"
+        else:
+            result.ok = True
+            result.ttft = token_times[0] - start
+            result.itl = [b - a for a, b in zip(token_times, token_times[1:])]
+            result.e2e = end - start
+            result.prompt_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = details.get("cached_tokens", 0)
+            result.output_tokens = usage["completion_tokens"]
+        return result
+
+
 async def send_request(
     client: httpx.AsyncClient,
     base_url: str,
@@ -76,9 +136,7 @@ async def send_request(
     }
     start = time.perf_counter()
     result = RequestResult(index=index, request_id=request_id, start_time=start - t0)
-    token_times: list[float] = []
-    num_finished = num_done = 0
-    usage = None
+    recorder = _StreamRecorder(result)
     try:
         async with client.stream(
             "POST",
@@ -91,49 +149,54 @@ async def send_request(
                 result.error = f"HTTP {response.status_code}: {body[:200]}"
                 return result
             async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    num_done += 1
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    message = error.get("message") if isinstance(error, dict) else error
-                    result.error = f"stream error: {message}"
+                if not recorder.record(line):
                     return result
-                if not _is_answer_to(chunk.get("id", ""), request_id):
-                    result.error = f"chunk of another request: {chunk.get('id')!r}"
-                    return result
-                for choice in chunk["choices"]:
-                    token_times.append(time.perf_counter())
-                    if choice.get("finish_reason") is not None:
-                        num_finished += 1
-                        result.finish_reason = choice["finish_reason"]
-                usage = chunk.get("usage") or usage
     except (httpx.HTTPError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         # TypeError, AttributeError: a chunk of the wrong shape (not an object, choices None)
         result.error = f"{type(e).__name__}: {e}"
         return result
-    end = time.perf_counter()
-    if (num_finished, num_done) != (1, 1) or usage is None or not token_times:
-        result.error = (
-            f"incomplete or repeated answer: {num_finished} finish reasons, {num_done} [DONE], "
-            f"usage {'present' if usage else 'missing'}"
-        )
-        return result
-    if result.finish_reason == "error":
-        result.error = "finished with finish_reason 'error' (the server's log says why)"
-        return result
-    result.ok = True
-    result.ttft = token_times[0] - start
-    result.itl = [b - a for a, b in zip(token_times, token_times[1:])]
-    result.e2e = end - start
-    result.prompt_tokens = usage["prompt_tokens"]
-    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    result.output_tokens = usage["completion_tokens"]
-    return result
+    return recorder.complete(start, time.perf_counter())
+
+
+async def _open_loop(
+    send: Callable[[int], Awaitable[RequestResult]],
+    num_requests: int,
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+) -> list[RequestResult]:
+    """Requests ``0 .. num_requests - 1`` at Poisson arrivals (all at once at an infinite
+    rate), at most ``max_concurrency`` in flight; results in request order."""
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def one(index: int) -> RequestResult:
+        async with limit:
+            return await send(index)
+
+    tasks = []
+    for index in range(num_requests):
+        tasks.append(asyncio.create_task(one(index)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def _closed_loop(
+    send: Callable[[int], Awaitable[RequestResult]], num_clients: int, until: float
+) -> list[RequestResult]:
+    """``num_clients`` clients, each sending the next request as soon as its last one ended,
+    until ``until`` (``time.perf_counter``); results in request order."""
+    indices = itertools.count()
+
+    async def client_loop() -> list[RequestResult]:
+        done = []
+        while time.perf_counter() < until:
+            done.append(await send(next(indices)))
+        return done
+
+    per_client = await asyncio.gather(*(client_loop() for _ in range(num_clients)))
+    return sorted((r for rs in per_client for r in rs), key=lambda r: r.index)
 
 
 async def run_load(
@@ -163,51 +226,26 @@ async def run_load(
     sampled = isinstance(requests, RequestSampler)
     if sampled and duration is None:
         raise ValueError("requests from a RequestSampler need a duration (they never run out)")
-    rng = np.random.default_rng(seed)
     run_id = uuid.uuid4().hex[:8]
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=None if duration else len(requests), disable=not progress, desc="requests")
     t0 = time.perf_counter()
-
-    async def send(client: httpx.AsyncClient, index: int) -> RequestResult:
-        request = requests[index] if sampled else requests[index % len(requests)]
-        url = base_urls[index % len(base_urls)]
-        request_id = f"bench-{run_id}-{index}"
-        result = await send_request(client, url, model, request, index, request_id, t0)
-        bar.update(1)
-        return result
-
-    async def one(client: httpx.AsyncClient, index: int) -> RequestResult:
-        if limit is None:
-            return await send(client, index)
-        async with limit:
-            return await send(client, index)
-
-    async def closed_loop_client(
-        client: httpx.AsyncClient, indices: itertools.count, until: float
-    ) -> list[RequestResult]:
-        done = []
-        while time.perf_counter() < until:
-            done.append(await send(client, next(indices)))
-        return done
-
     connections = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=connections) as client:
-        if duration is not None:
-            indices, until = itertools.count(), t0 + duration
-            assert max_concurrency is not None
-            per_client = await asyncio.gather(
-                *(closed_loop_client(client, indices, until) for _ in range(max_concurrency))
-            )
-            results = sorted((r for rs in per_client for r in rs), key=lambda r: r.index)
+
+        async def send(index: int) -> RequestResult:
+            request = requests[index] if sampled else requests[index % len(requests)]
+            url = base_urls[index % len(base_urls)]
+            request_id = f"bench-{run_id}-{index}"
+            result = await send_request(client, url, model, request, index, request_id, t0)
+            bar.update(1)
+            return result
+
+        if duration is None:
+            results = await _open_loop(send, len(requests), request_rate, max_concurrency, seed)
         else:
-            tasks = []
-            for index in range(len(requests)):
-                tasks.append(asyncio.create_task(one(client, index)))
-                if math.isfinite(request_rate):
-                    await asyncio.sleep(rng.exponential(1.0 / request_rate))
-            results = list(await asyncio.gather(*tasks))
+            assert max_concurrency is not None
+            results = await _closed_loop(send, max_concurrency, t0 + duration)
     elapsed = time.perf_counter() - t0
     bar.close()
     return results, elapsed
@@ -220,14 +258,15 @@ def _server_model(base_url: str, api_key: str | None, timeout: float) -> dict:
     return response.json()["data"][0]
 
 
-def run_bench_serve(args: argparse.Namespace) -> None:
-    base_urls = [url.rstrip("/") for url in args.base_url]
-    if args.duration is not None and args.max_concurrency is None:
-        sys.exit("pagedkv bench serve: --duration S needs --max-concurrency N (the clients)")
+def _model_and_requests(
+    args: argparse.Namespace, base_url: str
+) -> tuple[str, list[BenchRequest] | RequestSampler]:
+    """The model to ask for and the requests (a sampler for ``--duration``), checked against
+    the server's model card: a bad workload ends the command with one line."""
     try:
-        card = _server_model(base_urls[0], args.api_key, args.timeout)
+        card = _server_model(base_url, args.api_key, args.timeout)
     except (httpx.HTTPError, KeyError, IndexError) as e:
-        sys.exit(f"pagedkv bench serve: cannot list the models of {base_urls[0]}: {e}")
+        sys.exit(f"pagedkv bench serve: cannot list the models of {base_url}: {e}")
     model = args.model or card["id"]
     prefix_len = args.prefix_len if args.dataset == "shared-prefix" else 0
     max_model_len = card.get("max_model_len")
@@ -248,9 +287,41 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         )
     except ValueError as e:
         sys.exit(f"pagedkv bench serve: {e}")
-    requests: list[BenchRequest] | RequestSampler = (
-        sampler if args.duration is not None else sampler.first(args.num_prompts)
-    )
+    return model, sampler if args.duration is not None else sampler.first(args.num_prompts)
+
+
+def _instances_at_rest(args: argparse.Namespace, summary: dict) -> bool:
+    """With ``--check-metrics``: waits for the instances to come back to rest, prints and
+    records in ``summary`` which did."""
+    if not args.check_metrics:
+        return True
+    states = wait_settled(args.check_metrics, args.settle_timeout)
+    summary["instances"] = {s.base_url: s.settled for s in states}
+    print(f"Instances after {args.settle_timeout:g} s at most:")
+    for state in states:
+        print(f"  {state.describe()}")
+    return all(s.settled for s in states)
+
+
+def _write_results(
+    args: argparse.Namespace, model: str, summary: dict, results: list[RequestResult]
+) -> None:
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
+    config.update(model=model, request_rate=str(args.request_rate))
+    if args.result_json:
+        save_json(args.result_json, config, summary, results)
+    if args.plot:
+        try:
+            plot_results(results, summary, args.plot)
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'pagedkv[bench]'", file=sys.stderr)
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    base_urls = [url.rstrip("/") for url in args.base_url]
+    if args.duration is not None and args.max_concurrency is None:
+        sys.exit("pagedkv bench serve: --duration S needs --max-concurrency N (the clients)")
+    model, requests = _model_and_requests(args, base_urls[0])
     results, duration = asyncio.run(
         run_load(
             base_urls,
@@ -267,22 +338,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     )
     summary = summarize(results, duration)
     print(format_summary(summary))
-    at_rest = True
-    if args.check_metrics:
-        states = wait_settled(args.check_metrics, args.settle_timeout)
-        summary["instances"] = {s.base_url: s.settled for s in states}
-        at_rest = all(s.settled for s in states)
-        print(f"Instances after {args.settle_timeout:g} s at most:")
-        for state in states:
-            print(f"  {state.describe()}")
-    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func")}
-    config.update(model=model, request_rate=str(args.request_rate))
-    if args.result_json:
-        save_json(args.result_json, config, summary, results)
-    if args.plot:
-        try:
-            plot_results(results, summary, args.plot)
-        except ImportError:
-            print("--plot needs matplotlib: pip install 'pagedkv[bench]'", file=sys.stderr)
+    at_rest = _instances_at_rest(args, summary)
+    _write_results(args, model, summary, results)
     if summary["failed"] or not at_rest:
         sys.exit(1)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.entrypoints.bench.datasets import RequestSampler, add_dataset_args
+from pagedkv.entrypoints.bench.datasets import BenchRequest, RequestSampler, add_dataset_args
 from pagedkv.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -102,6 +102,61 @@ def _report(label: str, result: dict, num_requests: int, num_input: int) -> None
     )
 
 
+def _sample_requests(args: argparse.Namespace, engine, tokenizer) -> tuple[int, list[BenchRequest]]:
+    """The prefix length and the requests; a ValueError if they do not fit the context."""
+    prefix_len = args.prefix_len if args.dataset == "shared-prefix" else 0
+    if prefix_len + args.input_len + args.output_len > engine.max_model_len:
+        raise ValueError(
+            f"prompts of {prefix_len + args.input_len} tokens plus {args.output_len} output "
+            f"tokens exceed max_model_len {engine.max_model_len}: lower --input-len, "
+            "--output-len or --prefix-len"
+        )
+    return prefix_len, RequestSampler(
+        args.dataset,
+        args.input_len,
+        args.output_len,
+        vocab_size=engine.vocab_size,
+        seed=args.seed,
+        prefix_len=prefix_len,
+        exclude_token_ids=tokenizer.all_special_ids if tokenizer is not None else (),
+    ).first(args.num_prompts)
+
+
+def _report_grammar(engine, result: dict) -> None:
+    stats = engine.structured_outputs.compile_stats()
+    result["grammar_compile_ms_per_schema"] = 1e3 * stats.compile_seconds / stats.num_compiled
+    print(
+        f"Grammar: {stats.num_compiled} schema compiled in "
+        f"{result['grammar_compile_ms_per_schema']:.2f} ms per schema "
+        f"({stats.num_cache_hits} requests served from the grammar cache)"
+    )
+
+
+def _compare_unconstrained(llm, prompts, params, outputs, result: dict, args) -> None:
+    """The same prompts without the schema, each request generating exactly as many tokens as
+    it did constrained, then ``--num-pairs`` alternating pairs: the ratios go into ``result``."""
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    free = [
+        dataclasses.replace(p, structured_outputs=None, max_tokens=n)
+        for p, n in zip(params, lengths)
+    ]
+    _, unconstrained = _timed_runs(llm, prompts, free, args.num_iters_warmup, not args.disable_tqdm)
+    num_requests, num_input = result["num_requests"], result["total_input_tokens"]
+    _report("Throughput (unconstrained)", unconstrained, num_requests, num_input)
+    ratios = [result["output_tokens_per_second"] / unconstrained["output_tokens_per_second"]]
+    for _ in range(args.num_pairs):
+        pair = [_timed_runs(llm, prompts, p, 0, False)[1] for p in (params, free)]
+        ratios.append(pair[0]["output_tokens_per_second"] / pair[1]["output_tokens_per_second"])
+    print(
+        f"Constrained / unconstrained output tok/s: {ratios[0]:.3f}; median of "
+        f"{len(ratios)} pairs {statistics.median(ratios):.3f} "
+        f"({', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    result["unconstrained"] = unconstrained
+    result["constrained_over_unconstrained"] = ratios[0]
+    result["constrained_over_unconstrained_pairs"] = ratios
+
+
 def run_throughput(args: argparse.Namespace) -> None:
     """Raises ValueError (printed on one line by the command) for a workload that cannot run."""
     from pagedkv.engine.llm import LLM
@@ -111,26 +166,9 @@ def run_throughput(args: argparse.Namespace) -> None:
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
     engine = llm.llm_engine
-    tokenizer = llm.get_tokenizer()
-    prefix_len = args.prefix_len if args.dataset == "shared-prefix" else 0
-    if prefix_len + args.input_len + args.output_len > engine.max_model_len:
-        raise ValueError(
-            f"prompts of {prefix_len + args.input_len} tokens plus {args.output_len} output "
-            f"tokens exceed max_model_len {engine.max_model_len}: lower --input-len, "
-            "--output-len or --prefix-len"
-        )
-    requests = RequestSampler(
-        args.dataset,
-        args.input_len,
-        args.output_len,
-        vocab_size=engine.vocab_size,
-        seed=args.seed,
-        prefix_len=prefix_len,
-        exclude_token_ids=tokenizer.all_special_ids if tokenizer is not None else (),
-    ).first(args.num_prompts)
-    structured = None
-    if args.json_schema is not None:
-        structured = StructuredOutputsParams(json=args.json_schema)
+    prefix_len, requests = _sample_requests(args, engine, llm.get_tokenizer())
+    schema = args.json_schema
+    structured = None if schema is None else StructuredOutputsParams(json=schema)
     params = [
         SamplingParams(
             temperature=1.0,
@@ -142,9 +180,8 @@ def run_throughput(args: argparse.Namespace) -> None:
     ]
     prompts = [r.prompt_token_ids for r in requests]
     num_input = sum(len(p) for p in prompts)
-    outputs, result = _timed_runs(
-        llm, prompts, params, args.num_iters_warmup, not args.disable_tqdm
-    )
+    outputs, timed = _timed_runs(llm, prompts, params, args.num_iters_warmup, not args.disable_tqdm)
+    elapsed = timed["elapsed_time"]
     result = {
         "model": str(engine_args.model_path),
         "dataset": args.dataset,
@@ -153,46 +190,18 @@ def run_throughput(args: argparse.Namespace) -> None:
         "output_len": args.output_len,
         "prefix_len": prefix_len,
         "json_schema": args.json_schema,
-        **result,
+        **timed,
         "total_input_tokens": num_input,
-        "requests_per_second": len(requests) / result["elapsed_time"],
-        "input_tokens_per_second": num_input / result["elapsed_time"],
-        "total_tokens_per_second": (num_input + result["total_output_tokens"])
-        / result["elapsed_time"],
+        "requests_per_second": len(requests) / elapsed,
+        "input_tokens_per_second": num_input / elapsed,
+        "total_tokens_per_second": (num_input + timed["total_output_tokens"]) / elapsed,
         "num_preemptions": engine.get_stats().num_preemptions,
     }
-    label = "Throughput"
     if structured is not None:
-        stats = engine.structured_outputs.compile_stats()
-        result["grammar_compile_ms_per_schema"] = 1e3 * stats.compile_seconds / stats.num_compiled
-        label = "Throughput (JSON schema)"
-        print(
-            f"Grammar: {stats.num_compiled} schema compiled in "
-            f"{result['grammar_compile_ms_per_schema']:.2f} ms per schema "
-            f"({stats.num_cache_hits} requests served from the grammar cache)"
-        )
+        _report_grammar(engine, result)
+    label = "Throughput" if structured is None else "Throughput (JSON schema)"
     _report(label, result, len(requests), num_input)
     if args.compare_unconstrained:
-        lengths = [len(o.outputs[0].token_ids) for o in outputs]
-        free = [
-            dataclasses.replace(p, structured_outputs=None, max_tokens=n)
-            for p, n in zip(params, lengths)
-        ]
-        _, unconstrained = _timed_runs(
-            llm, prompts, free, args.num_iters_warmup, not args.disable_tqdm
-        )
-        _report("Throughput (unconstrained)", unconstrained, len(requests), num_input)
-        ratios = [result["output_tokens_per_second"] / unconstrained["output_tokens_per_second"]]
-        for _ in range(args.num_pairs):
-            pair = [_timed_runs(llm, prompts, p, 0, False)[1] for p in (params, free)]
-            ratios.append(pair[0]["output_tokens_per_second"] / pair[1]["output_tokens_per_second"])
-        print(
-            f"Constrained / unconstrained output tok/s: {ratios[0]:.3f}; median of "
-            f"{len(ratios)} pairs {statistics.median(ratios):.3f} "
-            f"({', '.join(f'{r:.3f}' for r in ratios)})"
-        )
-        result["unconstrained"] = unconstrained
-        result["constrained_over_unconstrained"] = ratios[0]
-        result["constrained_over_unconstrained_pairs"] = ratios
+        _compare_unconstrained(llm, prompts, params, outputs, result, args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
