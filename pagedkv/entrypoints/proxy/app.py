@@ -29,7 +29,6 @@ from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Router
-from pagedkv.entrypoints.proxy.routing_policy import ROUTING_POLICIES
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.entrypoints.serving.draining_server import DrainingServer
 from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
@@ -192,13 +191,12 @@ def run_proxy(args) -> None:
         fallback=args.fallback,
     )
     tokenizer = None
-    uses_kv_index = ROUTING_POLICIES[args.routing].uses_kv_index
-    if uses_kv_index or args.disagg_threshold:
+    if args.routing == "kv_aware" or args.disagg_threshold:
         tokenizer = PromptTokenizer(args.tokenizer)
     router = Router(
         registry,
         args.routing,
-        kv_index=KVIndex() if uses_kv_index else None,
+        kv_index=KVIndex() if args.routing == "kv_aware" else None,
         tokenizer=tokenizer,
         load_weight=args.load_weight,
         disagg_threshold=args.disagg_threshold,

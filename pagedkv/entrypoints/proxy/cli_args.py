@@ -7,9 +7,9 @@ import os
 
 from pagedkv.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
-from pagedkv.entrypoints.proxy.routing_policy import ROUTING_POLICIES
 
 #: How the proxy picks instances (``proxy/router.py``).
+ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
 FALLBACKS = ("none", "local")
@@ -32,7 +32,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--routing",
         default="round_robin",
-        choices=tuple(ROUTING_POLICIES),
+        choices=ROUTING_POLICIES,
         help="kv_aware: the instance (and P) with the fewest uncached prompt tokens plus "
         "--load-weight x its load, from the instances' KV events; ties (within a block) go "
         "to the one sent the fewest tokens to compute lately (default: %(default)s)",

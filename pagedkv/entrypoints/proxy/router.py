@@ -3,9 +3,23 @@
 Instances that answer: replicas (``plain``: no P2P connector, data parallel) and decode
 instances. A decode instance is paired with a prefill instance of the same model fingerprint
 (KV moves only between equals); a replica, or a D told to prefill itself, answers alone. The
-answering instance is chosen first, then its P, each ranked by the routing policy
-(``routing_policy.py``: round robin, least loaded, or ``kv_aware``: D by its own cached prefix,
-since D asks P only for the blocks it lacks, and P by its own).
+answering instance is chosen first, then its P:
+
+``round_robin``  cycles through the answering instances, then through that D's Ps;
+``least_loaded`` the fewest requests this proxy has in flight there, then the fewest the
+                 instance reported running and waiting in its last heartbeat;
+``kv_aware``     the lowest cost = the prompt tokens the instance lacks (its cached prefix
+                 from ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and
+                 waiting + this proxy's in flight). Costs within ``NEAR_TIE_TOKENS`` of the
+                 lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens sent
+                 to compute lately first), then at random. D is chosen by its own cached
+                 prefix (D asks P only for the blocks it lacks), P by its own.
+
+Why ties need more than load: a prompt no instance holds costs the same everywhere, and when
+requests come one at a time every load is 0, so a random pick can put most new prefixes (and
+then all of their traffic) on one instance. The work an instance was sent lately outlives its
+requests; a new prefix goes where the least was. Near-ties count too: a one-block header that
+every prompt shares would otherwise keep every new prefix on the first instance that has it.
 
 Conditional disaggregation (``disagg_threshold`` N > 0): a D that lacks fewer than N prompt
 tokens prefills them itself, with no P. Instances that already failed this request are
@@ -16,15 +30,29 @@ by instance;
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import Counter
 from collections.abc import Collection
 from typing import NamedTuple
 
+from pagedkv.entrypoints.proxy.cli_args import ROUTING_POLICIES
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.recent_work import RecentWork
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
-from pagedkv.entrypoints.proxy.routing_policy import ROUTING_POLICIES, Prompt
+
+#: kv_aware: costs this many prompt tokens above the lowest count as tied with it. One block of
+#: 16: a chat template's header that every prompt shares is no reason to pile new prefixes on
+#: one instance; sent elsewhere, a request recomputes at most this much once.
+NEAR_TIE_TOKENS = 16
+
+
+class Prompt(NamedTuple):
+    """What the router knows of a request's prompt."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
 
 
 class Route(NamedTuple):
@@ -49,18 +77,20 @@ class Router:
         seed: int | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {tuple(ROUTING_POLICIES)}, got {policy!r}")
-        self.policy = ROUTING_POLICIES[policy](seed)
-        if self.policy.uses_kv_index and (kv_index is None or tokenizer is None):
-            raise ValueError(f"{policy} routing needs a KV index and the model's tokenizer")
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
+        if policy == "kv_aware" and (kv_index is None or tokenizer is None):
+            raise ValueError("kv_aware routing needs a KV index and the model's tokenizer")
         if disagg_threshold and tokenizer is None:
             raise ValueError("--disagg-threshold needs the model's tokenizer")
         self.registry = registry
+        self.policy = policy
         self.kv_index = kv_index
         self.tokenizer = tokenizer
         self.load_weight = load_weight
         self.disagg_threshold = disagg_threshold
         self.in_flight: Counter[str] = Counter()
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._random = random.Random(seed)
         self.recent_work = RecentWork()
 
     @property
@@ -87,11 +117,11 @@ class Router:
         """Who serves one request (``alone``: no P), or None when nobody can."""
         live = [i for i in self.registry.live() if i.engine_id not in exclude]
         answerers = [i for i in live if i.answers]
-        hits = self.policy.hit_tokens(self, prompt, answerers)
+        hits = self._hit_tokens(prompt, answerers)
         for d in self._rank(answerers, "decode", prompt, hits):
             predicted = hits.get(d.engine_id)
             if d.is_replica or alone or self._prefills_itself(prompt, predicted):
-                self.policy.expect(self, prompt, d, predicted)
+                self._expect(prompt, d, predicted)
                 return Route(d, None, predicted)
             compatible = [
                 p
@@ -101,18 +131,53 @@ class Router:
                 and p.engine_id != d.engine_id
             ]
             if compatible:
-                p_hits = self.policy.hit_tokens(self, prompt, compatible)
+                p_hits = self._hit_tokens(prompt, compatible)
                 p = self._rank(compatible, "prefill", prompt, p_hits)[0]
-                self.policy.expect(self, prompt, d, predicted)
-                self.policy.expect(self, prompt, p, p_hits.get(p.engine_id))
+                self._expect(prompt, d, predicted)
+                self._expect(prompt, p, p_hits.get(p.engine_id))
                 return Route(d, p, predicted)
         return None
+
+    def _expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
+        """``instance`` will compute the prompt tokens it lacks, and cache the prompt's full
+        blocks soon (kv_aware)."""
+        if self.policy != "kv_aware" or prompt is None:
+            return
+        self.recent_work.add(instance.engine_id, len(prompt.token_ids) - (hit_tokens or 0))
+        if not instance.info.hash_algo:
+            return
+        assert self.kv_index is not None and self.tokenizer is not None
+        info = instance.info
+        hashes = self.tokenizer.block_hashes(
+            prompt.token_ids, info.block_size, info.hash_algo, prompt.cache_salt
+        )
+        self.kv_index.expect(instance.engine_id, hashes)
 
     def _prefills_itself(self, prompt: Prompt | None, hit_tokens: int | None) -> bool:
         """Conditional disaggregation: the D lacks fewer than the threshold's prompt tokens."""
         if not self.disagg_threshold or prompt is None:
             return False
         return len(prompt.token_ids) - (hit_tokens or 0) < self.disagg_threshold
+
+    def _hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
+        """Each instance's cached prefix of the prompt, in tokens (kv_aware only)."""
+        if self.policy != "kv_aware" or prompt is None:
+            return {}
+        assert self.kv_index is not None and self.tokenizer is not None
+        hits: dict[str, int] = {i.engine_id: 0 for i in instances}
+        by_hashing: dict[tuple[int, str], list[str]] = {}
+        for instance in instances:
+            if instance.info.hash_algo:
+                key = (instance.info.block_size, instance.info.hash_algo)
+                by_hashing.setdefault(key, []).append(instance.engine_id)
+        for (block_size, algo), names in by_hashing.items():
+            # The last prompt token is always computed (for its logits): never a hit.
+            hashes = self.tokenizer.block_hashes(
+                prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
+            )
+            for name, num_blocks in self.kv_index.overlap(hashes, names).items():
+                hits[name] = num_blocks * block_size
+        return hits
 
     def _rank(
         self,
@@ -123,7 +188,40 @@ class Router:
     ) -> list[Instance]:
         """``instances``, best first, by the policy."""
         instances = sorted(instances, key=lambda i: i.engine_id)
-        return self.policy.rank(self, instances, role, prompt, hits) if instances else instances
+        if not instances:
+            return instances
+        if self.policy == "round_robin":
+            start = next(self._turns[role]) % len(instances)
+            return instances[start:] + instances[:start]
+        if self.policy == "kv_aware" and prompt is not None:
+            return self._rank_by_cost(instances, len(prompt.token_ids), hits)
+        return sorted(
+            instances,
+            key=lambda i: (self.in_flight[i.engine_id], i.info.num_running + i.info.num_waiting),
+        )
+
+    def _rank_by_cost(
+        self, instances: list[Instance], num_tokens: int, hits: dict[str, int]
+    ) -> list[Instance]:
+        """kv_aware: the instances tied with the lowest cost, the least recent work first, then
+        the others, the lowest cost first."""
+        self._random.shuffle(instances)  # exact ties at random: the sorts below are stable
+        costs = {i.engine_id: self.cost(i, num_tokens, hits) for i in instances}
+        tied_below = min(costs.values()) + NEAR_TIE_TOKENS
+        tied = [i for i in instances if costs[i.engine_id] <= tied_below]
+        others = [i for i in instances if costs[i.engine_id] > tied_below]
+        tied.sort(key=lambda i: self.recent_work.get(i.engine_id))
+        others.sort(key=lambda i: costs[i.engine_id])
+        return tied + others
+
+    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
+        """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
+        return num_tokens - hits.get(instance.engine_id, 0) + self.load_weight * self.load(instance)
+
+    def load(self, instance: Instance) -> int:
+        """Requests at ``instance``: in its last heartbeat, plus this proxy's in flight."""
+        info = instance.info
+        return info.num_running + info.num_waiting + self.in_flight[instance.engine_id]
 
     # ------------------------------------------------------------------ explaining
     def pairing_note(self, instance: Instance) -> str | None:
