@@ -7,9 +7,7 @@ import os
 
 from pagedkv.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
-
-#: How the proxy picks instances (``proxy/router.py``).
-ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
+from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
 FALLBACKS = ("none", "local")
