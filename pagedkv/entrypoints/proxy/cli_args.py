@@ -55,6 +55,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the instances' tokenizer, for kv_aware and --disagg-threshold (default: the "
         "built-in model's)",
     )
+    _add_upstream_args(g)
+    g.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "ended with an error (default: %(default)s)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_upstream_args(g: argparse._ArgumentGroup) -> None:
+    """The keys, timeouts and retries of what the proxy sends on."""
     g.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDKV_PROXY_API_KEY"),
@@ -96,11 +109,3 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="local: when P or the KV transfer fails, send the request to a decode instance "
         "alone, which prefills it itself (default: %(default)s: retry another pair)",
     )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=positive_float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
-        "ended with an error (default: %(default)s)",
-    )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
