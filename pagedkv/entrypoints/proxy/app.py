@@ -84,10 +84,29 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
             if subscriber is not None:
                 subscriber.close()
 
+    app = FastAPI(title="pagedkv proxy", lifespan=lifespan)
+    app.include_router(_client_api(proxy, subscriber))
+    app.include_router(_service_api(registry, metrics))
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.to_json_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
+
+    app.add_middleware(BodySizeLimitMiddleware)
+    app.state.proxy = proxy
+    return app
+
+
+def _client_api(proxy: PDProxy, subscriber: KVEventSubscriber | None) -> APIRouter:
+    """What a client asks, behind ``--api-key``: the OpenAI endpoints and ``/instances``."""
+    registry, router, api_key = proxy.registry, proxy.router, proxy.config.api_key
+
     async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        expected = f"Bearer {config.api_key}".encode()
+        expected = f"Bearer {api_key}".encode()
         given = request.headers.get("Authorization", "").encode()
         if not secrets.compare_digest(given, expected):
             raise OpenAIError(
@@ -95,7 +114,7 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
                 status=HTTPStatus.UNAUTHORIZED,
             )
 
-    api = APIRouter(dependencies=[Depends(check_api_key)])
+    api = APIRouter(dependencies=[Depends(check_api_key)] if api_key is not None else [])
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -113,21 +132,20 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
     async def model(model_id: str) -> Response:
         return await proxy.ask_any(f"/v1/models/{quote(model_id, safe='')}")
 
+    def describe(instance: Instance) -> dict:
+        described = {**instance.describe(), "pairing": router.pairing_note(instance) or "ok"}
+        if subscriber is not None:
+            assert router.kv_index is not None
+            feed = subscriber.stats.get(instance.engine_id)
+            described["kv_index"] = {
+                "cached_blocks": router.kv_index.num_cached_blocks(instance.engine_id),
+                **(feed.describe() if feed is not None else {"state": "no KV events"}),
+            }
+        return described
+
     @api.get("/instances")
     async def instances() -> JSONResponse:
         live = registry.live()
-
-        def describe(instance: Instance) -> dict:
-            described = {**instance.describe(), "pairing": router.pairing_note(instance) or "ok"}
-            if subscriber is not None:
-                assert index is not None
-                feed = subscriber.stats.get(instance.engine_id)
-                described["kv_index"] = {
-                    "cached_blocks": index.num_cached_blocks(instance.engine_id),
-                    **(feed.describe() if feed is not None else {"state": "no KV events"}),
-                }
-            return described
-
         return JSONResponse(
             {
                 "replica": [describe(i) for i in live if i.is_replica],
@@ -138,10 +156,14 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
             }
         )
 
-    app = FastAPI(title="pagedkv proxy", lifespan=lifespan)
-    app.include_router(api)
+    return api
 
-    @app.get("/health")
+
+def _service_api(registry: InstanceRegistry, metrics: ProxyMetrics) -> APIRouter:
+    """``/health`` (live instances by role), ``/version`` and ``/metrics``: open to all."""
+    api = APIRouter()
+
+    @api.get("/health")
     async def health() -> JSONResponse:
         live = registry.live()
         return JSONResponse(
@@ -152,25 +174,15 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
             }
         )
 
-    @app.get("/version")
+    @api.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=pagedkv.__version__)
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
-        return exc.to_json_response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
-
-    app.add_middleware(BodySizeLimitMiddleware)
-    app.state.proxy = proxy
-    return app
+    return api
 
 
 def run_proxy(args) -> None:

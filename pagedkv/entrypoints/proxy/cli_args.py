@@ -7,9 +7,7 @@ import os
 
 from pagedkv.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
-
-#: How the proxy picks instances (``proxy/router.py``).
-ROUTING_POLICIES = ("round_robin", "least_loaded", "kv_aware")
+from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
 FALLBACKS = ("none", "local")
@@ -57,6 +55,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the instances' tokenizer, for kv_aware and --disagg-threshold (default: the "
         "built-in model's)",
     )
+    _add_upstream_args(g)
+    g.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "ended with an error (default: %(default)s)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_upstream_args(g: argparse._ArgumentGroup) -> None:
+    """The keys, timeouts and retries of what the proxy sends on."""
     g.add_argument(
         "--api-key",
         default=os.environ.get("PAGEDKV_PROXY_API_KEY"),
@@ -98,11 +109,3 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="local: when P or the KV transfer fails, send the request to a decode instance "
         "alone, which prefills it itself (default: %(default)s: retry another pair)",
     )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=positive_float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
-        "ended with an error (default: %(default)s)",
-    )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

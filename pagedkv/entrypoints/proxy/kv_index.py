@@ -71,19 +71,13 @@ class KVIndex:
         with self._lock:
             blocks = self._blocks.setdefault(name, Counter())
             for event in events:
-                if isinstance(event, BlockStored | BlockRemoved):  # known now: no guess left
-                    expected = self._expected.get(name)
-                    if expected:
-                        for block_hash in event.block_hashes:
-                            expected.pop(block_hash, None)
-                if isinstance(event, BlockStored):
-                    group = event.group_idx or 0
+                if isinstance(event, BlockStored | BlockRemoved):
+                    stored = isinstance(event, BlockStored)
+                    change = self._add_locked if stored else self._remove_locked
+                    expected = self._expected.get(name, {})
                     for block_hash in event.block_hashes:
-                        self._add_locked(name, blocks, (group, block_hash))
-                elif isinstance(event, BlockRemoved):
-                    group = event.group_idx or 0
-                    for block_hash in event.block_hashes:
-                        self._remove_locked(name, blocks, (group, block_hash))
+                        expected.pop(block_hash, None)  # known now: no guess left
+                        change(name, blocks, (event.group_idx or 0, block_hash))
                 elif isinstance(event, AllBlocksCleared):
                     self._clear_locked(name)
                     blocks = self._blocks.setdefault(name, Counter())

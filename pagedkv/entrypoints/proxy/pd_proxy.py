@@ -53,7 +53,7 @@ from pagedkv.entrypoints.openai.errors import OpenAIError
 from pagedkv.entrypoints.proxy.metrics import ProxyMetrics, cached_tokens
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import Route, Router
-from pagedkv.entrypoints.proxy.upstream import ProxyConfig, Upstream, UpstreamError
+from pagedkv.entrypoints.proxy.upstream import Opened, ProxyConfig, Upstream, UpstreamError
 from pagedkv.kv_connector.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -132,14 +132,9 @@ class PDProxy:
                     self.registry.evict(e.instance.engine_id, str(e))
                 local = self.config.fallback == "local" and blamed is route.p
         pd = any(i.is_decode for i in self.registry.live())
-        message = (
-            "no prefill/decode instance pair is available" if pd else "no instance is available"
-        )
-        if reasons:
-            message = f"{message}: every attempt failed ({'; '.join(reasons)});"
-        else:
-            message = f"{message}:"
-        message = f"{message} {self.router.why_no_pair(failed)}"
+        message = "no prefill/decode instance pair" if pd else "no instance"
+        failures = f": every attempt failed ({'; '.join(reasons)});" if reasons else ":"
+        message = f"{message} is available{failures} {self.router.why_no_pair(failed)}"
         raise OpenAIError(message, status=HTTPStatus.SERVICE_UNAVAILABLE)
 
     async def _attempt(
@@ -193,12 +188,18 @@ class PDProxy:
             if opened.response.status_code != 200:
                 p_task.cancel()  # D refused the request: nobody will pull P's KV
             p_task.add_done_callback(_log_late_prefill_failure)
+        return self._relay(p, d, opened, None if route is None else route.predicted_hit_tokens)
+
+    def _relay(
+        self, p: Instance | None, d: Instance, opened: Opened, predicted: int | None
+    ) -> Response:
+        """D's answer for the client, with who answered (and the hit the router
+        predicted: compared with the one D reports, when D computed the prompt itself)."""
         self.metrics.requests.labels("whole" if p is None else "disaggregated").inc()
         headers = {"x-pagedkv-instance": d.engine_id}
         if p is not None:
             headers["x-pagedkv-prefill-instance"] = p.engine_id
         on_answer = None
-        predicted = None if route is None else route.predicted_hit_tokens
         if predicted is not None:
             headers["x-pagedkv-predicted-hit-tokens"] = str(predicted)
             if p is None:

@@ -79,11 +79,7 @@ class PromptTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def block_hashes(
-        self,
-        token_ids: Sequence[int],
-        block_size: int,
-        algo: str,
-        cache_salt: str | None = None,
+        self, token_ids: Sequence[int], block_size: int, algo: str, cache_salt: str | None = None
     ) -> list[BlockHash]:
         """Hashes of the full blocks of ``token_ids``, as an instance hashing with (``algo``,
         ``block_size``) computes them."""

@@ -3,44 +3,34 @@
 Instances that answer: replicas (``plain``: no P2P connector, data parallel) and decode
 instances. A decode instance is paired with a prefill instance of the same model fingerprint
 (KV moves only between equals); a replica, or a D told to prefill itself, answers alone. The
-answering instance is chosen first, then its P:
-
-``round_robin``  cycles through the answering instances, then through that D's Ps;
-``least_loaded`` the fewest requests this proxy has in flight there, then the fewest the
-                 instance reported running and waiting in its last heartbeat;
-``kv_aware``     the lowest cost = the prompt tokens the instance lacks (its cached prefix
-                 from ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and
-                 waiting + this proxy's in flight). Costs within ``NEAR_TIE_TOKENS`` of the
-                 lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens sent
-                 to compute lately first), then at random. D is chosen by its own cached
-                 prefix (D asks P only for the blocks it lacks), P by its own.
-
-Why ties need more than load: a prompt no instance holds costs the same everywhere, and when
-requests come one at a time every load is 0, so a random pick can put most new prefixes (and
-then all of their traffic) on one instance. The work an instance was sent lately outlives its
-requests; a new prefix goes where the least was. Near-ties count too: a one-block header that
-every prompt shares would otherwise keep every new prefix on the first instance that has it.
+answering instance is chosen first, then its P, each ranked by the ``RoutingPolicy`` that
+``--routing`` names in ``ROUTING_POLICIES`` (a new policy: a subclass and its entry there).
 
 Conditional disaggregation (``disagg_threshold`` N > 0): a D that lacks fewer than N prompt
 tokens prefills them itself, with no P. Instances that already failed this request are
 skipped, so a retry lands elsewhere. When nothing is left, ``why_no_pair`` says why, instance
 by instance;
 ``pairing_note`` says it of one instance (shown in ``/instances`` and told at registration).
+
+``cli_args`` reads the policies' names from here for ``--help``: this module imports nothing
+heavy at run time (the rest only for type checking).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Collection
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from pagedkv.entrypoints.proxy.cli_args import ROUTING_POLICIES
-from pagedkv.entrypoints.proxy.kv_index import KVIndex
-from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.recent_work import RecentWork
-from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
+
+if TYPE_CHECKING:
+    from pagedkv.entrypoints.proxy.kv_index import KVIndex
+    from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
+    from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 
 #: kv_aware: costs this many prompt tokens above the lowest count as tied with it. One block of
 #: 16: a chat template's header that every prompt shares is no reason to pile new prefixes on
@@ -64,6 +54,138 @@ class Route(NamedTuple):
     predicted_hit_tokens: int | None = None
 
 
+class RoutingPolicy(ABC):
+    """How ``router`` ranks the instances that could answer a request (role ``decode``) or
+    prefill it for a D (``prefill``), what it predicts of their caches, and what it notes of
+    each choice."""
+
+    def __init__(self, router: Router, seed: int | None) -> None:
+        self.router = router
+        self.random = random.Random(seed)  # exact ties, for a policy that breaks them at random
+
+    @abstractmethod
+    def rank(
+        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+    ) -> list[Instance]:
+        """``instances`` (not empty, sorted by engine id), best first."""
+
+    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
+        """Each instance's cached prefix of the prompt, in tokens ({}: the policy does not
+        look)."""
+        return {}
+
+    def expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
+        """``instance`` was chosen for ``prompt`` (its predicted hit: ``hit_tokens``)."""
+        return None
+
+
+class RoundRobin(RoutingPolicy):
+    """Cycles through the answering instances, then through that D's Ps."""
+
+    def __init__(self, router: Router, seed: int | None) -> None:
+        super().__init__(router, seed)
+        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+
+    def rank(
+        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+    ) -> list[Instance]:
+        start = next(self._turns[role]) % len(instances)
+        return instances[start:] + instances[:start]
+
+
+class LeastLoaded(RoutingPolicy):
+    """The fewest requests this proxy has in flight there, then the fewest the instance
+    reported running and waiting in its last heartbeat."""
+
+    def rank(
+        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+    ) -> list[Instance]:
+        in_flight = self.router.in_flight
+        return sorted(
+            instances,
+            key=lambda i: (in_flight[i.engine_id], i.info.num_running + i.info.num_waiting),
+        )
+
+
+class KVAware(LeastLoaded):
+    """The lowest cost = the prompt tokens the instance lacks (its cached prefix from
+    ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and waiting + this proxy's
+    in flight). Costs within ``NEAR_TIE_TOKENS`` of the lowest are ties, broken by
+    ``RecentWork`` (the fewest prompt tokens sent to compute lately first), then at random. D
+    is chosen by its own cached prefix (D asks P only for the blocks it lacks), P by its own.
+    Without a prompt: least loaded.
+
+    Why ties need more than load: a prompt no instance holds costs the same everywhere, and
+    when requests come one at a time every load is 0, so a random pick can put most new
+    prefixes (and then all of their traffic) on one instance. The work an instance was sent
+    lately outlives its requests; a new prefix goes where the least was. Near-ties count too: a
+    one-block header that every prompt shares would otherwise keep every new prefix on the
+    first instance that has it."""
+
+    def __init__(self, router: Router, seed: int | None) -> None:
+        super().__init__(router, seed)
+        if router.kv_index is None or router.tokenizer is None:
+            raise ValueError("kv_aware routing needs a KV index and the model's tokenizer")
+        self.kv_index, self.tokenizer = router.kv_index, router.tokenizer
+
+    def rank(
+        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+    ) -> list[Instance]:
+        """The instances tied with the lowest cost, the least recent work first, then the
+        others, the lowest cost first."""
+        if prompt is None:
+            return super().rank(instances, role, prompt, hits)
+        self.random.shuffle(instances)  # exact ties at random: the sorts below are stable
+        costs = {i.engine_id: self.cost(i, len(prompt.token_ids), hits) for i in instances}
+        tied_below = min(costs.values()) + NEAR_TIE_TOKENS
+        tied = [i for i in instances if costs[i.engine_id] <= tied_below]
+        others = [i for i in instances if costs[i.engine_id] > tied_below]
+        tied.sort(key=lambda i: self.router.recent_work.get(i.engine_id))
+        others.sort(key=lambda i: costs[i.engine_id])
+        return tied + others
+
+    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
+        """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
+        info = instance.info
+        load = info.num_running + info.num_waiting + self.router.in_flight[instance.engine_id]
+        return num_tokens - hits.get(instance.engine_id, 0) + self.router.load_weight * load
+
+    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
+        if prompt is None:
+            return {}
+        hits: dict[str, int] = {i.engine_id: 0 for i in instances}
+        by_hashing: dict[tuple[int, str], list[str]] = {}
+        for instance in instances:
+            if instance.info.hash_algo:
+                key = (instance.info.block_size, instance.info.hash_algo)
+                by_hashing.setdefault(key, []).append(instance.engine_id)
+        for (block_size, algo), names in by_hashing.items():
+            # The last prompt token is always computed (for its logits): never a hit.
+            hashes = self.tokenizer.block_hashes(
+                prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
+            )
+            for name, num_blocks in self.kv_index.overlap(hashes, names).items():
+                hits[name] = num_blocks * block_size
+        return hits
+
+    def expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
+        """``instance`` will compute the prompt tokens it lacks, and cache the prompt's full
+        blocks soon."""
+        if prompt is None:
+            return
+        self.router.recent_work.add(instance.engine_id, len(prompt.token_ids) - (hit_tokens or 0))
+        info = instance.info
+        if info.hash_algo:
+            hashes = self.tokenizer.block_hashes(
+                prompt.token_ids, info.block_size, info.hash_algo, prompt.cache_salt
+            )
+            self.kv_index.expect(instance.engine_id, hashes)
+
+
+#: Each ``RoutingPolicy`` by its name: the ``--routing`` choices.
+ROUTING_POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "kv_aware": KVAware}
+
+
 class Router:
     def __init__(
         self,
@@ -77,25 +199,17 @@ class Router:
         seed: int | None = None,
     ) -> None:
         if policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {policy!r}")
-        if policy == "kv_aware" and (kv_index is None or tokenizer is None):
-            raise ValueError("kv_aware routing needs a KV index and the model's tokenizer")
-        if disagg_threshold and tokenizer is None:
-            raise ValueError("--disagg-threshold needs the model's tokenizer")
+            raise ValueError(f"routing must be one of {tuple(ROUTING_POLICIES)}, got {policy!r}")
         self.registry = registry
-        self.policy = policy
         self.kv_index = kv_index
         self.tokenizer = tokenizer
         self.load_weight = load_weight
         self.disagg_threshold = disagg_threshold
         self.in_flight: Counter[str] = Counter()
-        self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._random = random.Random(seed)
         self.recent_work = RecentWork()
-
-    @property
-    def needs_prompt(self) -> bool:
-        return self.tokenizer is not None
+        self.policy = ROUTING_POLICIES[policy](self, seed)
+        if disagg_threshold and tokenizer is None:
+            raise ValueError("--disagg-threshold needs the model's tokenizer")
 
     def read_prompt(self, path: str, body: dict) -> Prompt | None:
         """The request's prompt as the instances will tokenize it (None: unknown)."""
@@ -117,41 +231,21 @@ class Router:
         """Who serves one request (``alone``: no P), or None when nobody can."""
         live = [i for i in self.registry.live() if i.engine_id not in exclude]
         answerers = [i for i in live if i.answers]
-        hits = self._hit_tokens(prompt, answerers)
+        hits = self.policy.hit_tokens(prompt, answerers)
         for d in self._rank(answerers, "decode", prompt, hits):
             predicted = hits.get(d.engine_id)
             if d.is_replica or alone or self._prefills_itself(prompt, predicted):
-                self._expect(prompt, d, predicted)
+                self.policy.expect(prompt, d, predicted)
                 return Route(d, None, predicted)
-            compatible = [
-                p
-                for p in live
-                if p.is_prefill
-                and p.info.fingerprint == d.info.fingerprint
-                and p.engine_id != d.engine_id
-            ]
+            _, peers = _peers(d, live)
+            compatible = [p for p in peers if p.info.fingerprint == d.info.fingerprint]
             if compatible:
-                p_hits = self._hit_tokens(prompt, compatible)
+                p_hits = self.policy.hit_tokens(prompt, compatible)
                 p = self._rank(compatible, "prefill", prompt, p_hits)[0]
-                self._expect(prompt, d, predicted)
-                self._expect(prompt, p, p_hits.get(p.engine_id))
+                self.policy.expect(prompt, d, predicted)
+                self.policy.expect(prompt, p, p_hits.get(p.engine_id))
                 return Route(d, p, predicted)
         return None
-
-    def _expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
-        """``instance`` will compute the prompt tokens it lacks, and cache the prompt's full
-        blocks soon (kv_aware)."""
-        if self.policy != "kv_aware" or prompt is None:
-            return
-        self.recent_work.add(instance.engine_id, len(prompt.token_ids) - (hit_tokens or 0))
-        if not instance.info.hash_algo:
-            return
-        assert self.kv_index is not None and self.tokenizer is not None
-        info = instance.info
-        hashes = self.tokenizer.block_hashes(
-            prompt.token_ids, info.block_size, info.hash_algo, prompt.cache_salt
-        )
-        self.kv_index.expect(instance.engine_id, hashes)
 
     def _prefills_itself(self, prompt: Prompt | None, hit_tokens: int | None) -> bool:
         """Conditional disaggregation: the D lacks fewer than the threshold's prompt tokens."""
@@ -159,69 +253,12 @@ class Router:
             return False
         return len(prompt.token_ids) - (hit_tokens or 0) < self.disagg_threshold
 
-    def _hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
-        """Each instance's cached prefix of the prompt, in tokens (kv_aware only)."""
-        if self.policy != "kv_aware" or prompt is None:
-            return {}
-        assert self.kv_index is not None and self.tokenizer is not None
-        hits: dict[str, int] = {i.engine_id: 0 for i in instances}
-        by_hashing: dict[tuple[int, str], list[str]] = {}
-        for instance in instances:
-            if instance.info.hash_algo:
-                key = (instance.info.block_size, instance.info.hash_algo)
-                by_hashing.setdefault(key, []).append(instance.engine_id)
-        for (block_size, algo), names in by_hashing.items():
-            # The last prompt token is always computed (for its logits): never a hit.
-            hashes = self.tokenizer.block_hashes(
-                prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
-            )
-            for name, num_blocks in self.kv_index.overlap(hashes, names).items():
-                hits[name] = num_blocks * block_size
-        return hits
-
     def _rank(
-        self,
-        instances: list[Instance],
-        role: str,
-        prompt: Prompt | None,
-        hits: dict[str, int],
+        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
     ) -> list[Instance]:
         """``instances``, best first, by the policy."""
         instances = sorted(instances, key=lambda i: i.engine_id)
-        if not instances:
-            return instances
-        if self.policy == "round_robin":
-            start = next(self._turns[role]) % len(instances)
-            return instances[start:] + instances[:start]
-        if self.policy == "kv_aware" and prompt is not None:
-            return self._rank_by_cost(instances, len(prompt.token_ids), hits)
-        return sorted(
-            instances,
-            key=lambda i: (self.in_flight[i.engine_id], i.info.num_running + i.info.num_waiting),
-        )
-
-    def _rank_by_cost(
-        self, instances: list[Instance], num_tokens: int, hits: dict[str, int]
-    ) -> list[Instance]:
-        """kv_aware: the instances tied with the lowest cost, the least recent work first, then
-        the others, the lowest cost first."""
-        self._random.shuffle(instances)  # exact ties at random: the sorts below are stable
-        costs = {i.engine_id: self.cost(i, num_tokens, hits) for i in instances}
-        tied_below = min(costs.values()) + NEAR_TIE_TOKENS
-        tied = [i for i in instances if costs[i.engine_id] <= tied_below]
-        others = [i for i in instances if costs[i.engine_id] > tied_below]
-        tied.sort(key=lambda i: self.recent_work.get(i.engine_id))
-        others.sort(key=lambda i: costs[i.engine_id])
-        return tied + others
-
-    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
-        """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
-        return num_tokens - hits.get(instance.engine_id, 0) + self.load_weight * self.load(instance)
-
-    def load(self, instance: Instance) -> int:
-        """Requests at ``instance``: in its last heartbeat, plus this proxy's in flight."""
-        info = instance.info
-        return info.num_running + info.num_waiting + self.in_flight[instance.engine_id]
+        return self.policy.rank(instances, role, prompt, hits) if instances else instances
 
     # ------------------------------------------------------------------ explaining
     def pairing_note(self, instance: Instance) -> str | None:
@@ -229,9 +266,7 @@ class Router:
         is a replica, which is never paired)."""
         if instance.is_replica:
             return None
-        others = [i for i in self.registry.live() if i.engine_id != instance.engine_id]
-        wanted = "prefill" if instance.is_decode else "decode"
-        peers = [i for i in others if (i.is_prefill if wanted == "prefill" else i.is_decode)]
+        wanted, peers = _peers(instance, self.registry.live())
         if not peers:
             return f"no {wanted} instance is registered"
         if any(p.info.fingerprint == instance.info.fingerprint for p in peers):
@@ -264,14 +299,8 @@ class Router:
         of its model and KV layout, or each such peer failed this request."""
         if instance.is_replica:
             return "not tried"
-        wanted = "prefill" if instance.is_decode else "decode"
-        equals = [
-            i.engine_id
-            for i in live
-            if i.engine_id != instance.engine_id
-            and (i.is_prefill if wanted == "prefill" else i.is_decode)
-            and i.info.fingerprint == instance.info.fingerprint
-        ]
+        wanted, peers = _peers(instance, live)
+        equals = [p.engine_id for p in peers if p.info.fingerprint == instance.info.fingerprint]
         if equals and all(name in exclude for name in equals):
             return f"each {wanted} instance it pairs with failed this request ({', '.join(equals)})"
         return self.pairing_note(instance) or "not tried"
@@ -285,6 +314,18 @@ class Router:
         self.in_flight[instance.engine_id] -= 1
         if self.in_flight[instance.engine_id] <= 0:
             del self.in_flight[instance.engine_id]
+
+
+def _peers(instance: Instance, live: list[Instance]) -> tuple[str, list[Instance]]:
+    """The role ``instance`` pairs with, and the other ``live`` instances of that role."""
+    wanted = "prefill" if instance.is_decode else "decode"
+    peers = [
+        i
+        for i in live
+        if i.engine_id != instance.engine_id
+        and (i.is_prefill if wanted == "prefill" else i.is_decode)
+    ]
+    return wanted, peers
 
 
 def _layout(instance: Instance) -> str:

@@ -145,15 +145,9 @@ class Upstream:
         if response.status_code >= 500:
             raise UpstreamError(p, f"prefill: HTTP {response.status_code}")
         if response.status_code != 200:
-            raise UpstreamError(
-                p,
-                f"prefill: HTTP {response.status_code}",
-                client_error=Response(
-                    response.content,
-                    response.status_code,
-                    media_type=response.headers.get("content-type"),
-                ),
-            )
+            media_type = response.headers.get("content-type")
+            client_error = Response(response.content, response.status_code, media_type=media_type)
+            raise UpstreamError(p, f"prefill: HTTP {response.status_code}", client_error)
 
     async def open_decode(
         self, d: Instance, path: str, body: dict, headers: dict, stream: bool
@@ -182,15 +176,12 @@ class Upstream:
             if (message := kv_transfer_error(first)) is not None:
                 raise UpstreamError(d, f"decode: KV load failed: {message}", kv_load=True)
             return Opened(response, first, chunks)
-        except httpx.HTTPError as e:
+        except BaseException as e:
             if response is not None:
                 await response.aclose()
             self.router.release(d)
-            raise UpstreamError.from_http_error(d, "decode", e) from None
-        except BaseException:
-            if response is not None:
-                await response.aclose()
-            self.router.release(d)
+            if isinstance(e, httpx.HTTPError):
+                raise UpstreamError.from_http_error(d, "decode", e) from None
             raise
 
     def relay(
