@@ -12,7 +12,7 @@ A transfer keeps a request's blocks beyond what the V1 scheduler itself tracks. 
     send (producer): the request ends and the connector holds its blocks
         -> SENDING -- finished_sending --> blocks freed
 
-The connector ends every load and every send exactly once (``kv_transfer/base.py``), so every
+The connector ends every load and every send exactly once (``kv_connector/base.py``), so every
 block held here is freed. Block facts come from ``KVCacheManager`` only.
 """
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedkv.kv_transfer import rate_limited_log
+from pagedkv.transport import rate_limited_log
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 

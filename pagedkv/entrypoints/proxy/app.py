@@ -17,18 +17,17 @@ import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedkv
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
-from pagedkv.entrypoints.openai.errors import OpenAIError
+from pagedkv.entrypoints.openai.errors import OpenAIError, add_openai_error_handlers
 from pagedkv.entrypoints.openai.protocol import VersionResponse
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.metrics import ProxyMetrics
 from pagedkv.entrypoints.proxy.pd_proxy import PDProxy
 from pagedkv.entrypoints.proxy.prompt_blocks import PromptTokenizer
 from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
-from pagedkv.entrypoints.proxy.router import Router
+from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES, Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.entrypoints.serving.draining_server import DrainingServer
 from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
@@ -88,14 +87,7 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
     app.include_router(_client_api(proxy, subscriber))
     app.include_router(_service_api(registry, metrics))
 
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(_: Request, exc: OpenAIError) -> Response:
-        return exc.to_json_response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
-
+    add_openai_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware)
     app.state.proxy = proxy
     return app
@@ -203,12 +195,13 @@ def run_proxy(args) -> None:
         fallback=args.fallback,
     )
     tokenizer = None
-    if args.routing == "kv_aware" or args.disagg_threshold:
+    needs_kv_index = ROUTING_POLICIES[args.routing].needs_kv_index
+    if needs_kv_index or args.disagg_threshold:
         tokenizer = PromptTokenizer(args.tokenizer)
     router = Router(
         registry,
         args.routing,
-        kv_index=KVIndex() if args.routing == "kv_aware" else None,
+        kv_index=KVIndex() if needs_kv_index else None,
         tokenizer=tokenizer,
         load_weight=args.load_weight,
         disagg_threshold=args.disagg_threshold,

@@ -59,6 +59,9 @@ class RoutingPolicy(ABC):
     prefill it for a D (``prefill``), what it predicts of their caches, and what it notes of
     each choice."""
 
+    #: Reads the instances' prefix caches: the proxy follows their KV events into a ``KVIndex``.
+    needs_kv_index = False
+
     def __init__(self, router: Router, seed: int | None) -> None:
         self.router = router
         self.random = random.Random(seed)  # exact ties, for a policy that breaks them at random
@@ -121,6 +124,8 @@ class KVAware(LeastLoaded):
     lately outlives its requests; a new prefix goes where the least was. Near-ties count too: a
     one-block header that every prompt shares would otherwise keep every new prefix on the
     first instance that has it."""
+
+    needs_kv_index = True
 
     def __init__(self, router: Router, seed: int | None) -> None:
         super().__init__(router, seed)
