@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.distributed import ProcessGroupGloo
@@ -43,9 +43,17 @@ class _Part:
     num_bytes: int = 0
 
 
-#: A message to receive: its part, its layer's blocks, (kv, start, end), the batch's gloo
-#: tag, and whether it is its part's last.
-_Message = tuple[_Part, LayerBlocks, int, int, int, int, bool]
+class _Message(NamedTuple):
+    """A message to receive: K or V (``kv``) of blocks ``[start, end)`` of one layer of one
+    part, under the batch's gloo ``tag``; ``last``: its part's last message."""
+
+    part: _Part
+    blocks: LayerBlocks
+    kv: int
+    start: int
+    end: int
+    tag: int
+    last: bool
 
 
 class ReceiveLane(Lane):
@@ -85,14 +93,10 @@ class ReceiveLane(Lane):
 
     def _run(self) -> None:
         pending: deque[_Message] = deque()
-        #: Posted receives, oldest first: (work, where it lands, straight into the blocks?,
-        #: message).
-        window: deque[tuple[object, torch.Tensor, bool, _Message]] = deque()
-        posted = [0]
         try:
             while True:
                 with self._cond:
-                    while not self._batches and not pending and not window:
+                    while not self._batches and not pending and not self._window:
                         self._check_stopped()
                         self._idle_wait()
                     self._check_stopped()
@@ -100,21 +104,22 @@ class ReceiveLane(Lane):
                     self._batches.clear()
                 for begin in begins:
                     self._plan(begin, pending)
-                self._post(pending, window, posted)
-                if window:
-                    self._complete_oldest(window, posted)
+                self._post_pending(pending)
+                if self._window:
+                    self._complete_oldest()
         except Exception as e:
             reason = str(e)
             self._broke(reason)
-            self._settle(entry[0] for entry in window)  # memory is reused only after
-            for _, _, direct, (part, *_) in window:
-                if direct:
-                    assert part.target is not None
-                    with part.target.lock:
-                        part.target.posted -= 1
+            self._settle()  # memory is reused only after
+            for posted in self._window:
+                if not posted.staged:
+                    target = posted.then.part.target
+                    with target.lock:
+                        target.posted -= 1
             error = e if isinstance(e, LaneError) else LaneError(reason)
             ended: set[int] = set()
-            for part in [m[0] for m in pending] + [w[3][0] for w in window]:
+            for message in [*pending, *(posted.then for posted in self._window)]:
+                part = message.part
                 if part.target is not None and id(part) not in ended:
                     ended.add(id(part))
                     self._on_received(part.target, part.num_bytes, error)
@@ -135,39 +140,39 @@ class ReceiveLane(Lane):
         ]
         last = {id(message[0]): n for n, message in enumerate(order)}
         for n, (part, blocks, kv, start, end) in enumerate(order):
-            pending.append((part, blocks, kv, start, end, begin.tag, last[id(part)] == n))
+            pending.append(_Message(part, blocks, kv, start, end, begin.tag, last[id(part)] == n))
         for part in parts:  # nothing to receive: done at once
             if id(part) not in last and part.target is not None:
                 self._on_received(part.target, 0, None)
 
-    def _post(self, pending: deque[_Message], window: deque, posted: list[int]) -> None:
+    def _post_pending(self, pending: deque[_Message]) -> None:
         while pending:
             message = pending[0]
-            part, blocks, kv, start, end, tag, _ = message
+            blocks, start, end = message.blocks, message.start, message.end
             size = blocks.num_bytes(start, end)
-            if window and posted[0] + size > self._in_flight_bytes:
+            if not self._fits(size):
                 return
             self._check_stopped()
-            into = self._into_blocks(part.target, blocks, kv, start, end)
-            direct = into is not None
+            into = self._into_blocks(message)
+            staged = into is None
             if into is None:  # staged, scattered once it has arrived
                 staging = self._ring.take(size)
                 if staging is None:
                     return
                 into = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
             assert self._pg is not None
-            work = self._pg.recv([into], self._peer_rank, tag)
+            work = self._pg.recv([into], self._peer_rank, message.tag)
             pending.popleft()
-            window.append((work, into, direct, message))
-            posted[0] += size
+            self._post(work, into, staged, message)
 
     @staticmethod
-    def _into_blocks(target: Target | None, blocks: LayerBlocks, kv: int, start: int, end: int):
+    def _into_blocks(message: _Message) -> torch.Tensor | None:
         """The message's blocks themselves when D's ids for it are consecutive and the load
         is still wanted (counted in ``posted``: its end is reported once none is left)."""
+        target = message.part.target
         if target is None:
             return None
-        run = blocks.run(kv, start, end)
+        run = message.blocks.run(message.kv, message.start, message.end)
         if run is None:
             return None
         with target.lock:
@@ -176,14 +181,11 @@ class ReceiveLane(Lane):
             target.posted += 1
         return run
 
-    def _complete_oldest(self, window: deque, posted: list[int]) -> None:
-        work, into, direct, (part, blocks, kv, start, end, _, last) = window[0]
-        self._wait(work)
-        window.popleft()
-        size = nbytes(into)
-        posted[0] -= size
-        target = part.target
-        if direct:
+    def _complete_oldest(self) -> None:
+        op = self._pop_oldest()
+        message: _Message = op.then
+        part, target = message.part, message.part.target
+        if not op.staged:
             assert target is not None
             with target.lock:
                 target.posted -= 1
@@ -194,9 +196,9 @@ class ReceiveLane(Lane):
             if target is not None:
                 with target.lock:
                     if not target.cancelled:
-                        blocks.scatter(kv, start, end, into)
+                        message.blocks.scatter(message.kv, message.start, message.end, op.tensor)
             self._ring.give_back()
         if target is not None:
-            part.num_bytes += size
-            if last:
+            part.num_bytes += nbytes(op.tensor)
+            if message.last:
                 self._on_received(target, part.num_bytes, None)
