@@ -198,10 +198,6 @@ class Lane:
         self._window_bytes -= nbytes(posted.tensor)
         return posted
 
-    def _fits(self, size: int) -> bool:
-        """Whether ``size`` more bytes may be posted now."""
-        return not self._window or self._window_bytes + size <= self._in_flight_bytes
-
     #: An idle lane keeps its staging buffer this long, then lets it go.
     IDLE_RELEASE_S = 2.0
 
@@ -213,12 +209,21 @@ class Lane:
     def _main(self) -> None:
         try:
             self._run()
+        except Exception as e:  # stopped, or broken: what is still here ends, failed
+            self._broke(str(e))
+            self._settle()  # memory is reused only after
+            self._fail(e if isinstance(e, LaneError) else LaneError(str(e)))
         finally:
             self._pg = None  # the last reference: sockets and threads go with the group
             self._window.clear()
             self._ring = StagingRing(0)
 
     def _run(self) -> None:
+        """The lane's loop: it only ends by raising (LaneError once stopped)."""
+        raise NotImplementedError
+
+    def _fail(self, error: LaneError) -> None:
+        """End, failed, everything the lane still had queued or in flight."""
         raise NotImplementedError
 
 
@@ -245,6 +250,8 @@ class SendLane(Lane):
         self._announce = announce
         self._on_end = on_end
         self._queue: deque[Job] = deque()
+        #: The batch being sent (taken from the queue, not yet in the window).
+        self._batch: list[Job] = []
 
     def submit(self, jobs: list[Job]) -> bool:
         """Queue jobs to go out in this order; False (nothing queued) once stopped."""
@@ -274,30 +281,27 @@ class SendLane(Lane):
         return jobs
 
     def _run(self) -> None:
-        batch: list[Job] = []
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._window and self._stopped is None:
-                        self._idle_wait()
-                    self._check_stopped()
-                    batch = [self._queue.popleft() for _ in range(min(MAX_PARTS, len(self._queue)))]
-                if batch:
-                    self._send_batch(batch)
-                    batch = []
-                else:
-                    self._complete_oldest()
-        except Exception as e:  # every job still here ends, failed
-            reason = str(e)
-            self._broke(reason)
-            self._settle()  # memory is reused only after
+        while True:
             with self._cond:
-                leftover = list(self._queue)
-                self._queue.clear()
-            error = e if isinstance(e, LaneError) else LaneError(reason)
-            for job in batch + [job for sent in self._window for job in sent.then] + leftover:
-                job.error = error
-                self._end(job)
+                while not self._queue and not self._window and self._stopped is None:
+                    self._idle_wait()
+                self._check_stopped()
+                count = min(MAX_PARTS, len(self._queue))
+                self._batch = [self._queue.popleft() for _ in range(count)]
+            if self._batch:
+                self._send_batch(self._batch)
+                self._batch = []
+            else:
+                self._complete_oldest()
+
+    def _fail(self, error: LaneError) -> None:
+        with self._cond:
+            leftover = list(self._queue)
+            self._queue.clear()
+        in_flight = [job for sent in self._window for job in sent.then]
+        for job in self._batch + in_flight + leftover:
+            job.error = error
+            self._end(job)
 
     def _send_batch(self, batch: list[Job]) -> None:
         tag = _next_tag()
@@ -314,7 +318,7 @@ class SendLane(Lane):
                 for kv, start, end in blocks.messages():
                     self._check_stopped()
                     size = blocks.num_bytes(start, end)
-                    while not self._fits(size):
+                    while self._window and self._window_bytes + size > self._in_flight_bytes:
                         self._complete_oldest()
                     message = blocks.run(kv, start, end)  # sent from the blocks themselves
                     packed = message is None

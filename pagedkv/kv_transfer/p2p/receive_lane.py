@@ -81,6 +81,8 @@ class ReceiveLane(Lane):
         self._drain_layers = drain_layers
         self._on_received = on_received
         self._batches: deque[XferBegin] = deque()
+        #: Messages of the planned batches, in order, not yet posted.
+        self._pending: deque[_Message] = deque()
 
     def submit(self, begin: XferBegin) -> bool:
         """Receive this batch after the ones submitted before it; False once stopped."""
@@ -92,39 +94,35 @@ class ReceiveLane(Lane):
             return True
 
     def _run(self) -> None:
-        pending: deque[_Message] = deque()
-        try:
-            while True:
-                with self._cond:
-                    while not self._batches and not pending and not self._window:
-                        self._check_stopped()
-                        self._idle_wait()
+        while True:
+            with self._cond:
+                while not self._batches and not self._pending and not self._window:
                     self._check_stopped()
-                    begins = list(self._batches)
-                    self._batches.clear()
-                for begin in begins:
-                    self._plan(begin, pending)
-                self._post_pending(pending)
-                if self._window:
-                    self._complete_oldest()
-        except Exception as e:
-            reason = str(e)
-            self._broke(reason)
-            self._settle()  # memory is reused only after
-            for posted in self._window:
-                if not posted.staged:
-                    target = posted.then.part.target
-                    with target.lock:
-                        target.posted -= 1
-            error = e if isinstance(e, LaneError) else LaneError(reason)
-            ended: set[int] = set()
-            for message in [*pending, *(posted.then for posted in self._window)]:
-                part = message.part
-                if part.target is not None and id(part) not in ended:
-                    ended.add(id(part))
-                    self._on_received(part.target, part.num_bytes, error)
+                    self._idle_wait()
+                self._check_stopped()
+                begins = list(self._batches)
+                self._batches.clear()
+            for begin in begins:
+                self._plan(begin)
+            self._post_pending()
+            if self._window:
+                self._complete_oldest()
 
-    def _plan(self, begin: XferBegin, pending: deque[_Message]) -> None:
+    def _fail(self, error: LaneError) -> None:
+        for op in self._window:
+            if not op.staged:
+                target = op.then.part.target
+                with target.lock:
+                    target.posted -= 1
+        ended: set[int] = set()
+        for message in [*self._pending, *(op.then for op in self._window)]:
+            part = message.part
+            if part.target is not None and id(part) not in ended:
+                ended.add(id(part))
+                self._on_received(part.target, part.num_bytes, error)
+        self._pending.clear()
+
+    def _plan(self, begin: XferBegin) -> None:
         parts = []
         for xfer in begin.parts:
             resolved = self._resolve(xfer.transfer_id, xfer.segments)
@@ -140,17 +138,18 @@ class ReceiveLane(Lane):
         ]
         last = {id(message[0]): n for n, message in enumerate(order)}
         for n, (part, blocks, kv, start, end) in enumerate(order):
-            pending.append(_Message(part, blocks, kv, start, end, begin.tag, last[id(part)] == n))
+            message = _Message(part, blocks, kv, start, end, begin.tag, last[id(part)] == n)
+            self._pending.append(message)
         for part in parts:  # nothing to receive: done at once
             if id(part) not in last and part.target is not None:
                 self._on_received(part.target, 0, None)
 
-    def _post_pending(self, pending: deque[_Message]) -> None:
-        while pending:
-            message = pending[0]
+    def _post_pending(self) -> None:
+        while self._pending:
+            message = self._pending[0]
             blocks, start, end = message.blocks, message.start, message.end
             size = blocks.num_bytes(start, end)
-            if not self._fits(size):
+            if self._window and self._window_bytes + size > self._in_flight_bytes:
                 return
             self._check_stopped()
             into = self._into_blocks(message)
@@ -162,7 +161,7 @@ class ReceiveLane(Lane):
                 into = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
             assert self._pg is not None
             work = self._pg.recv([into], self._peer_rank, message.tag)
-            pending.popleft()
+            self._pending.popleft()
             self._post(work, into, staged, message)
 
     @staticmethod
