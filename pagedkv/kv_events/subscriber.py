@@ -11,32 +11,31 @@ endpoint, a DEALER for replay and snapshot requests. Each feed's state::
 A feed starts SYNCING (a snapshot: the sink is reloaded whole); batches that arrive while a
 request is answered wait in ``pending`` and are applied in seq order once it is. The SUB
 socket reconnecting (the publisher restarted, or the connection broke: batches may be lost
-with no later one to show the gap) resyncs too. A feed without
-a replay endpoint cannot resync: on a gap its sink entries are cleared and rebuilt from the
-events that follow (``synced`` False: it only under-predicts). Nothing here blocks on a peer:
-every request has a deadline, after which it is asked again on a fresh socket.
+with no later one to show the gap) resyncs too. A feed without a replay endpoint cannot
+resync: on a gap its sink entries are cleared and rebuilt from the events that follow
+(``synced`` False: it only under-predicts). Nothing here blocks on a peer: every request has
+a deadline, after which it is asked again on a fresh socket. A feed's own state is in
+feed.py.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from pagedkv.kv_events.feed import Feed, FeedAddress, FeedState, FeedStats
 from pagedkv.kv_events.wire import (
     BATCH_DECODER,
     SNAPSHOT_DECODER,
     SNAPSHOT_REQUEST,
-    KVCacheSnapshot,
     KVEventBatch,
     WireEvent,
     decode_seq,
@@ -65,80 +64,12 @@ class KVEventSink(Protocol):
     def clear(self, name: str) -> None: ...
 
 
-class FeedState(enum.Enum):
-    SYNCING = "syncing"
-    REPLAYING = "replaying"
-    LIVE = "live"
-
-
-@dataclass
-class FeedStats:
-    """What ``/instances`` shows of a feed (written by the subscriber thread only)."""
-
-    state: FeedState = FeedState.SYNCING
-    #: False while the sink may lack blocks the publisher holds (no replay endpoint, gap seen).
-    synced: bool = False
-    last_seq: int | None = None
-    num_batches: int = 0
-    num_gaps: int = 0
-    num_replays: int = 0
-    num_snapshots: int = 0
-    num_restarts: int = 0
-    num_reconnects: int = 0
-    num_malformed: int = 0
-    #: Seconds between a batch's publication and its arrival, for the last batch.
-    last_lag_s: float | None = None
-    last_batch_at: float | None = None  # time.monotonic()
-
-    def describe(self) -> dict:
-        since = None if self.last_batch_at is None else time.monotonic() - self.last_batch_at
-        return {
-            "state": self.state.value,
-            "synced": self.synced,
-            "last_seq": self.last_seq,
-            "batches": self.num_batches,
-            "gaps": self.num_gaps,
-            "replays": self.num_replays,
-            "snapshots": self.num_snapshots,
-            "restarts": self.num_restarts,
-            "reconnects": self.num_reconnects,
-            "malformed": self.num_malformed,
-            "event_lag_ms": None if self.last_lag_s is None else round(self.last_lag_s * 1e3, 2),
-            "seconds_since_event": None if since is None else round(since, 3),
-        }
-
-
-@dataclass(frozen=True)
-class FeedAddress:
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str = ""
-
-
-@dataclass
-class _Feed:
-    name: str
-    address: FeedAddress
-    sub: zmq.Socket
-    #: Reports the SUB socket's connections (each one after the first resyncs).
-    monitor: zmq.Socket
-    num_connects: int = 0
-    dealer: zmq.Socket | None = None
-    expected_seq: int | None = None
-    #: "snapshot" or "replay" while a request is out, with its deadline.
-    outstanding: str | None = None
-    deadline: float = 0.0
-    snapshot: KVCacheSnapshot | None = None
-    pending: list[tuple[int, KVEventBatch]] = field(default_factory=list)
-    stats: FeedStats = field(default_factory=FeedStats)
-
-
 class KVEventSubscriber:
     def __init__(self, sink: KVEventSink, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.sink = sink
         self.request_timeout_s = request_timeout_s
         self._ctx = zmq.Context()
-        self._feeds: dict[str, _Feed] = {}  # subscriber thread only
+        self._feeds: dict[str, Feed] = {}  # subscriber thread only
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         #: Each feed's stats (replaced, never mutated, from other threads' point of view).
         self.stats: dict[str, FeedStats] = {}
@@ -154,7 +85,7 @@ class KVEventSubscriber:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         for feed in list(self._feeds.values()):
-            self._close_feed(feed)
+            feed.close()
         self._ctx.term()
 
     # ------------------------------------------------------------------ any thread
@@ -172,7 +103,7 @@ class KVEventSubscriber:
             try:
                 self._run_commands()
                 poller = zmq.Poller()
-                sockets: dict[zmq.Socket, tuple[_Feed, Callable]] = {}
+                sockets: dict[zmq.Socket, tuple[Feed, Callable]] = {}
                 for feed in self._feeds.values():
                     sockets[feed.sub] = (feed, self._on_published)
                     sockets[feed.monitor] = (feed, self._on_monitor)
@@ -203,7 +134,7 @@ class KVEventSubscriber:
                 return
             command()
 
-    def _drain(self, feed: _Feed, socket: zmq.Socket, handle: Callable) -> None:
+    def _drain(self, feed: Feed, socket: zmq.Socket, handle: Callable) -> None:
         """Every message queued on ``socket`` (a reply socket may be replaced meanwhile)."""
         while feed.name in self._feeds and socket in (feed.sub, feed.monitor, feed.dealer):
             try:
@@ -226,7 +157,7 @@ class KVEventSubscriber:
             self._log.warning("connect", "KV events of %s: cannot connect: %s", name, e)
             return
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
-        feed = self._feeds[name] = _Feed(name, address, sub, monitor)
+        feed = self._feeds[name] = Feed(name, address, sub, monitor)
         self.stats[name] = feed.stats
         self.sink.clear(name)
         if address.replay_endpoint is None:
@@ -238,18 +169,11 @@ class KVEventSubscriber:
         feed = self._feeds.pop(name, None)
         self.stats.pop(name, None)
         if feed is not None:
-            self._close_feed(feed)
+            feed.close()
         self.sink.clear(name)
 
-    def _close_feed(self, feed: _Feed) -> None:
-        feed.sub.disable_monitor()
-        feed.monitor.close(linger=0)
-        feed.sub.close(linger=0)
-        if feed.dealer is not None:
-            feed.dealer.close(linger=0)
-
     # ------------------------------------------------------------------ requests
-    def _request(self, feed: _Feed, kind: str) -> None:
+    def _request(self, feed: Feed, kind: str) -> None:
         """Ask for a snapshot, or a replay from ``expected_seq``, on a fresh DEALER (so no
         late answer to an earlier request can be taken for this one's)."""
         assert feed.address.replay_endpoint is not None
@@ -288,7 +212,7 @@ class KVEventSubscriber:
                 )
                 self._resync(feed)
 
-    def _resync(self, feed: _Feed) -> None:
+    def _resync(self, feed: Feed) -> None:
         """Reload the feed whole: a snapshot, or (no replay endpoint) clear and go on."""
         feed.pending.clear()
         if feed.address.replay_endpoint is not None:
@@ -299,7 +223,7 @@ class KVEventSubscriber:
         feed.stats.synced = False
 
     # ------------------------------------------------------------------ messages
-    def _on_monitor(self, feed: _Feed, frames: list[bytes]) -> None:
+    def _on_monitor(self, feed: Feed, frames: list[bytes]) -> None:
         if parse_monitor_message(frames)["event"] != zmq.EVENT_CONNECTED:
             return
         feed.num_connects += 1
@@ -307,7 +231,7 @@ class KVEventSubscriber:
             feed.stats.num_reconnects += 1
             self._resync(feed)
 
-    def _decode_batch(self, feed: _Feed, seq_frame: bytes, payload: bytes):
+    def _decode_batch(self, feed: Feed, seq_frame: bytes, payload: bytes):
         try:
             return decode_seq(seq_frame), BATCH_DECODER.decode(payload)
         except (ValueError, msgspec.DecodeError) as e:
@@ -315,7 +239,7 @@ class KVEventSubscriber:
             self._log.warning("malformed", "KV events of %s: a bad batch: %s", feed.name, e)
             return None
 
-    def _on_published(self, feed: _Feed, frames: list[bytes]) -> None:
+    def _on_published(self, feed: Feed, frames: list[bytes]) -> None:
         if len(frames) != 3:
             feed.stats.num_malformed += 1
             return
@@ -347,7 +271,7 @@ class KVEventSubscriber:
                 return
         self._apply(feed, seq, batch)
 
-    def _apply(self, feed: _Feed, seq: int, batch: KVEventBatch) -> None:
+    def _apply(self, feed: Feed, seq: int, batch: KVEventBatch) -> None:
         self.sink.apply(feed.name, batch.events)
         feed.expected_seq = seq + 1
         stats = feed.stats
@@ -356,7 +280,7 @@ class KVEventSubscriber:
         stats.last_lag_s = max(time.time() - batch.ts, 0.0)
         stats.last_batch_at = time.monotonic()
 
-    def _on_reply(self, feed: _Feed, frames: list[bytes]) -> None:
+    def _on_reply(self, feed: Feed, frames: list[bytes]) -> None:
         if feed.outstanding is None or len(frames) != 4 or frames[0] != b"":
             feed.stats.num_malformed += 1
             return
@@ -380,7 +304,7 @@ class KVEventSubscriber:
         if decoded is not None and decoded[0] == feed.expected_seq:
             self._apply(feed, *decoded)
 
-    def _end_of_answer(self, feed: _Feed) -> None:
+    def _end_of_answer(self, feed: Feed) -> None:
         """The request is answered: load the snapshot, then apply what waited, in order."""
         kind, feed.outstanding = feed.outstanding, None
         if kind == "snapshot":

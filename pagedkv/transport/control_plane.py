@@ -65,6 +65,10 @@ class _Dealer:
         self.socket = socket
         self.lock = threading.Lock()
 
+    def close(self, linger_ms: int = 0) -> None:
+        with self.lock:
+            self.socket.close(linger=linger_ms)
+
 
 class ControlPlane:
     def __init__(
@@ -144,8 +148,7 @@ class ControlPlane:
             while len(self._dealers) >= self.max_peers:
                 _, evicted = self._dealers.popitem(last=False)
                 self.num_evicted_peers += 1
-                with evicted.lock:
-                    evicted.socket.close(linger=_EVICTED_LINGER_MS)
+                evicted.close(_EVICTED_LINGER_MS)
             socket = self._ctx.socket(zmq.DEALER)
             try:
                 socket.setsockopt(zmq.LINGER, 0)
@@ -171,8 +174,7 @@ class ControlPlane:
                 if len(self._retired) > self.max_peers:  # bounded, like the live ones
                     _, (_, dealer) = self._retired.popitem(last=False)
         if dealer is not None:
-            with dealer.lock:
-                dealer.socket.close(linger=0)
+            dealer.close()
 
     def revive(self, peer: PeerAddr) -> None:
         """The peer is back (a new pair group): its retired DEALER, if any, is live again."""
@@ -182,8 +184,7 @@ class ControlPlane:
                 self._dealers[peer.endpoint] = retired[1]
                 retired = None
         if retired is not None:
-            with retired[1].lock:
-                retired[1].socket.close(linger=0)
+            retired[1].close()
 
     def close_retired(self, now: float) -> None:
         """Close the retired DEALERs whose time is up."""
@@ -191,8 +192,7 @@ class ControlPlane:
             due = [ep for ep, (deadline, _) in self._retired.items() if deadline <= now]
             dealers = [self._retired.pop(ep)[1] for ep in due]
         for dealer in dealers:
-            with dealer.lock:
-                dealer.socket.close(linger=0)
+            dealer.close()
 
     @property
     def num_peers(self) -> int:
@@ -300,7 +300,6 @@ class ControlPlane:
             self._dealers.clear()
             self._retired.clear()
         for dealer in dealers:
-            with dealer.lock:
-                dealer.socket.close(linger=int(linger_s * 1000))
+            dealer.close(int(linger_s * 1000))
         self._router.close(linger=0)
         self._ctx.term()

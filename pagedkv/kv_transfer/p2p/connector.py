@@ -34,7 +34,7 @@ import hashlib
 import logging
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
@@ -143,11 +143,9 @@ class P2pConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(slots=True)
 class _Producing:
-    transfer_id: str
-    expected_peer: str | None
-    num_prompt_tokens: int
-    prompt_hash: str
-    block_ids: list[list[int]] = field(default_factory=list)
+    """P: a request whose KV goes to D; ``spec.block_ids`` follow its block table."""
+
+    spec: SendSpec
     announced: bool = False
 
 
@@ -284,10 +282,14 @@ class P2pConnector(KVConnectorBase):
             )
             return
         self._producing[request.request_id] = _Producing(
-            transfer_id,
-            params.remote_engine_id,
-            request.num_prompt_tokens,
-            prompt_hash(request.prompt_token_ids),
+            SendSpec(
+                request.request_id,
+                transfer_id,
+                request.num_prompt_tokens,
+                prompt_hash(request.prompt_token_ids),
+                (),
+                params.remote_engine_id,
+            )
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
@@ -295,38 +297,28 @@ class P2pConnector(KVConnectorBase):
         for new in scheduler_output.scheduled_new_reqs:
             producing = self._producing.get(new.req_id)
             if producing is not None:  # new, or resumed after preemption: a fresh block table
-                producing.block_ids = [list(ids) for ids in new.block_ids]
+                producing.spec.block_ids = tuple(list(ids) for ids in new.block_ids)
                 self._announce_if_complete(
-                    new.req_id, producing, new.num_computed_tokens + num_scheduled[new.req_id]
+                    producing, new.num_computed_tokens + num_scheduled[new.req_id]
                 )
         for cached in scheduler_output.scheduled_cached_reqs:
             producing = self._producing.get(cached.req_id)
             if producing is not None:
-                for ids, new_ids in zip(producing.block_ids, cached.new_block_ids):
+                for ids, new_ids in zip(producing.spec.block_ids, cached.new_block_ids):
                     ids.extend(new_ids)
                 self._announce_if_complete(
-                    cached.req_id,
-                    producing,
-                    cached.num_computed_tokens + num_scheduled[cached.req_id],
+                    producing, cached.num_computed_tokens + num_scheduled[cached.req_id]
                 )
         meta, self._meta = self._meta, P2pConnectorMetadata()
         return meta
 
-    def _announce_if_complete(
-        self, req_id: str, producing: _Producing, num_computed_after_step: int
-    ) -> None:
-        if producing.announced or num_computed_after_step < producing.num_prompt_tokens:
+    def _announce_if_complete(self, producing: _Producing, num_computed_after_step: int) -> None:
+        spec = producing.spec
+        if producing.announced or num_computed_after_step < spec.num_prompt_tokens:
             return
         producing.announced = True
         self._meta.computing.append(
-            SendSpec(
-                req_id,
-                producing.transfer_id,
-                producing.num_prompt_tokens,
-                producing.prompt_hash,
-                tuple(list(ids) for ids in producing.block_ids),
-                producing.expected_peer,
-            )
+            replace(spec, block_ids=tuple(list(ids) for ids in spec.block_ids))
         )
 
     def request_finished(
@@ -361,16 +353,7 @@ class P2pConnector(KVConnectorBase):
             self._meta.releases.append(transfer_id)
             return False, None
         self._held[request_id] = transfer_id
-        self._meta.holds.append(
-            SendSpec(
-                request_id,
-                transfer_id,
-                request.num_prompt_tokens,
-                producing.prompt_hash,
-                block_ids,
-                producing.expected_peer,
-            )
-        )
+        self._meta.holds.append(replace(producing.spec, block_ids=block_ids))
         return True, KVTransferParams.handoff(transfer_id, self.peer_address, to="decode").to_dict()
 
     @property

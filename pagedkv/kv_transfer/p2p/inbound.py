@@ -38,6 +38,7 @@ from pagedkv.kv_transfer.p2p.pair_group import PairGroupError
 from pagedkv.kv_transfer.p2p.peers import Peers
 from pagedkv.kv_transfer.p2p.protocol import (
     MAX_COMPUTING,
+    MAX_PARTS,
     Cancel,
     Done,
     Heartbeat,
@@ -55,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 PENDING, RECEIVING = TransferState.PENDING, TransferState.RECEIVING
 DELIVERED, REFUSED, FAILED = TransferState.DELIVERED, TransferState.REFUSED, TransferState.FAILED
-#: Transfers in one XFER_BEGIN at most (a batch of P's forward, or its queued whole sends).
-MAX_PARTS = 256
 #: Requests waiting for admission whose transfers the heartbeats name, at most.
 MAX_QUEUED = 4096
 

@@ -11,13 +11,13 @@ batches in the order their XFER_BEGINs arrived, with at most ``in_flight_bytes``
 posted, straight into runs of its blocks or into its staging ring and scattered, unless the
 load was cancelled meanwhile (then the rest drains into staging: the lane stays in step).
 
-Why (issue 12): a gloo send moves only once the receiver has posted a matching receive, and
-a wait that times out closes the whole pair. With PUT sends on P's engine thread and a shared
-pool of receive threads on D, P's send for transfer k waited for a receive D had no thread
-left to post, the wait timed out, gloo closed the pair, and every transfer on it failed, again
-and again. With one ordered lane each way the receive P waits for is always one D is about
-to post, so the op timeout (``transfer_timeout_s``) is only a backstop for a dead or hung
-peer. A lane whose gloo op fails is *broken*: its pair group must be torn down.
+One ordered lane each way, because a gloo send moves only once the receiver has posted a
+matching receive, and a wait that times out closes the whole pair: were sends issued from
+several threads on P and receives from a shared pool on D, P could wait for a receive D has no
+thread left to post, until the wait timed out and every transfer on the pair failed. With
+one lane each way, both in batch order, the receive P waits for is always one D is about to
+post, so the op timeout (``transfer_timeout_s``) is only a backstop for a dead or hung peer.
+A lane whose gloo op fails is *broken*: its pair group must be torn down.
 
 A lane holds the group's process group until its thread ends; ``stop`` ends the thread once
 its posted operations have completed or failed (a ProcessGroupGloo is only released, with
@@ -34,18 +34,16 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed import ProcessGroupGloo
 
-from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
+from pagedkv.kv_transfer.p2p.protocol import MAX_PARTS, XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
 
 logger = logging.getLogger(__name__)
 
-#: Transfers in one wire batch at most.
-MAX_PARTS = 64
 _tags = itertools.count(1)
 
 
@@ -74,6 +72,17 @@ class Job:
     num_bytes: int
     error: Exception | None = None
     ended: threading.Event = field(default_factory=threading.Event)
+
+
+class Posted(NamedTuple):
+    """A gloo send or receive in flight: ``tensor`` is in use (in the staging ring if
+    ``staged``) until ``work`` completes, which ends ``then`` (SendLane: the jobs whose last
+    send it is; ReceiveLane: the message it receives)."""
+
+    work: Any
+    tensor: torch.Tensor
+    staged: bool
+    then: Any
 
 
 class StagingRing:
@@ -133,6 +142,10 @@ class Lane:
         self._on_broken = on_broken
         self._in_flight_bytes = in_flight_bytes
         self._ring = StagingRing(in_flight_bytes)
+        #: Posted operations, oldest first, and their bytes (at most ``in_flight_bytes``,
+        #: or one larger message).
+        self._window: deque[Posted] = deque()
+        self._window_bytes = 0
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self.name = name
         self._cond = threading.Condition()
@@ -165,12 +178,25 @@ class Lane:
             logger.warning("%s broken: %s", self.name, reason)
             self._on_broken(reason)
 
-    def _settle(self, works) -> None:
+    def _settle(self) -> None:
         """Wait for posted operations to end, failed or not: gloo reads or writes their memory
         until then."""
-        for work in works:
+        for posted in self._window:
             with contextlib.suppress(Exception):
-                self._wait(work)
+                self._wait(posted.work)
+
+    def _post(self, work, tensor: torch.Tensor, staged: bool, then) -> Posted:
+        posted = Posted(work, tensor, staged, then)
+        self._window.append(posted)
+        self._window_bytes += nbytes(tensor)
+        return posted
+
+    def _pop_oldest(self) -> Posted:
+        """The oldest posted operation, once it has completed (its staging not given back)."""
+        self._wait(self._window[0].work)
+        posted = self._window.popleft()
+        self._window_bytes -= nbytes(posted.tensor)
+        return posted
 
     #: An idle lane keeps its staging buffer this long, then lets it go.
     IDLE_RELEASE_S = 2.0
@@ -183,11 +209,21 @@ class Lane:
     def _main(self) -> None:
         try:
             self._run()
+        except Exception as e:  # stopped, or broken: what is still here ends, failed
+            self._broke(str(e))
+            self._settle()  # memory is reused only after
+            self._fail(e if isinstance(e, LaneError) else LaneError(str(e)))
         finally:
             self._pg = None  # the last reference: sockets and threads go with the group
+            self._window.clear()
             self._ring = StagingRing(0)
 
     def _run(self) -> None:
+        """The lane's loop: it only ends by raising (LaneError once stopped)."""
+        raise NotImplementedError
+
+    def _fail(self, error: LaneError) -> None:
+        """End, failed, everything the lane still had queued or in flight."""
         raise NotImplementedError
 
 
@@ -214,6 +250,8 @@ class SendLane(Lane):
         self._announce = announce
         self._on_end = on_end
         self._queue: deque[Job] = deque()
+        #: The batch being sent (taken from the queue, not yet in the window).
+        self._batch: list[Job] = []
 
     def submit(self, jobs: list[Job]) -> bool:
         """Queue jobs to go out in this order; False (nothing queued) once stopped."""
@@ -243,36 +281,29 @@ class SendLane(Lane):
         return jobs
 
     def _run(self) -> None:
-        #: Posted sends, oldest first: (work, tensor kept alive, packed in the staging ring,
-        #: jobs whose last send it is).
-        window: deque[tuple[object, torch.Tensor, bool, list[Job]]] = deque()
-        state = {"bytes": 0}
-        batch: list[Job] = []
-        try:
-            while True:
-                with self._cond:
-                    while not self._queue and not window and self._stopped is None:
-                        self._idle_wait()
-                    self._check_stopped()
-                    batch = [self._queue.popleft() for _ in range(min(MAX_PARTS, len(self._queue)))]
-                if batch:
-                    self._send_batch(batch, window, state)
-                    batch = []
-                else:
-                    self._complete_oldest(window, state)
-        except Exception as e:  # every job still here ends, failed
-            reason = str(e)
-            self._broke(reason)
-            self._settle(entry[0] for entry in window)  # memory is reused only after
+        while True:
             with self._cond:
-                leftover = list(self._queue)
-                self._queue.clear()
-            error = e if isinstance(e, LaneError) else LaneError(reason)
-            for job in batch + [job for *_, jobs in window for job in jobs] + leftover:
-                job.error = error
-                self._end(job)
+                while not self._queue and not self._window and self._stopped is None:
+                    self._idle_wait()
+                self._check_stopped()
+                count = min(MAX_PARTS, len(self._queue))
+                self._batch = [self._queue.popleft() for _ in range(count)]
+            if self._batch:
+                self._send_batch(self._batch)
+                self._batch = []
+            else:
+                self._complete_oldest()
 
-    def _send_batch(self, batch: list[Job], window: deque, state: dict) -> None:
+    def _fail(self, error: LaneError) -> None:
+        with self._cond:
+            leftover = list(self._queue)
+            self._queue.clear()
+        in_flight = [job for sent in self._window for job in sent.then]
+        for job in self._batch + in_flight + leftover:
+            job.error = error
+            self._end(job)
+
+    def _send_batch(self, batch: list[Job]) -> None:
         tag = _next_tag()
         parts = [XferPart(job.transfer_id, job.segments) for job in batch]
         if not self._announce(XferBegin(self.group, tag, parts)):
@@ -280,43 +311,38 @@ class SendLane(Lane):
                 job.error = LaneError("could not announce the transfer to D")
                 self._end(job)
             return
-        last: tuple | None = None
+        last: Posted | None = None
         for layer in range(self._num_layers):
             for job in batch:
                 blocks = job.source.layer(layer)
                 for kv, start, end in blocks.messages():
                     self._check_stopped()
                     size = blocks.num_bytes(start, end)
-                    while window and state["bytes"] + size > self._in_flight_bytes:
-                        self._complete_oldest(window, state)
+                    while self._window and self._window_bytes + size > self._in_flight_bytes:
+                        self._complete_oldest()
                     message = blocks.run(kv, start, end)  # sent from the blocks themselves
                     packed = message is None
                     if packed:  # packed into the ring while earlier messages are on the wire
                         staging = self._ring.take(size)
                         while staging is None:
-                            self._complete_oldest(window, state)
+                            self._complete_oldest()
                             staging = self._ring.take(size)
                         message = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
                         blocks.gather(kv, start, end, message)
                     assert self._pg is not None
                     work = self._pg.send([message], self._peer_rank, tag)
-                    last = (work, message, packed, [])
-                    window.append(last)
-                    state["bytes"] += size
+                    last = self._post(work, message, packed, [])
         if last is None:  # nothing to send (every segment list empty)
             for job in batch:
                 self._end(job)
         else:
-            last[3].extend(batch)
+            last.then.extend(batch)
 
-    def _complete_oldest(self, window: deque, state: dict) -> None:
-        work, message, packed, jobs = window[0]
-        self._wait(work)
-        window.popleft()
-        state["bytes"] -= nbytes(message)
-        if packed:
+    def _complete_oldest(self) -> None:
+        sent = self._pop_oldest()
+        if sent.staged:
             self._ring.give_back()
-        for job in jobs:
+        for job in sent.then:
             self._end(job)
 
     def _end(self, job: Job) -> None:

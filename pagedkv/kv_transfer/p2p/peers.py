@@ -157,8 +157,13 @@ class Peers:
         g = self.groups.get(engine_id)
         return g is not None and g.name == group and g.closed is None
 
-    def lose(self, engine_id: str, reason: str, group: str | None = None) -> None:
-        """Tear down the group with a peer (only generation ``group``, when given)."""
+    def lose(
+        self, engine_id: str, reason: str, group: str | None = None, why: str | None = None
+    ) -> None:
+        """Tear down the group with a peer (only generation ``group``, when given), counted
+        in ``num_groups_torn_down[why]`` when ``why`` is given."""
+        if why is not None:
+            self.num_groups_torn_down[why] += 1
         self.groups.drop(engine_id, reason, group)
 
     def _on_ready(self, group: PairGroup) -> None:
@@ -167,8 +172,7 @@ class Peers:
         tag = f"{peer.engine_id[:12]}-{group.name[:6]}"
 
         def broken(reason: str) -> None:
-            self.num_groups_torn_down["broken"] += 1
-            self.lose(peer.engine_id, f"lane broken: {reason}", group.name)
+            self.lose(peer.engine_id, f"lane broken: {reason}", group.name, "broken")
 
         send_lane = receive_lane = None
         if self._sender is not None:
@@ -221,8 +225,7 @@ class Peers:
     def on_bye(self, peer: PeerAddr, bye: Bye) -> None:
         group = self.groups.get(peer.engine_id)
         if group is not None and group.name == bye.group and group.peer == peer:
-            self.num_groups_torn_down["goodbye"] += 1
-            self.lose(peer.engine_id, f"the peer said goodbye ({bye.reason})", bye.group)
+            self.lose(peer.engine_id, f"the peer said goodbye ({bye.reason})", bye.group, "goodbye")
 
     def on_xfer_begin(self, peer: PeerAddr, begin: XferBegin) -> None:
         group = self.groups.get(peer.engine_id)
@@ -240,8 +243,7 @@ class Peers:
         self._log.warning("xfer_begin", "XFER_BEGIN from %s refused: %s", peer, problem)
         self.control.send(peer, Bye(begin.group, f"XFER_BEGIN refused: {problem}"))
         if group is not None and group.name == begin.group:
-            self.num_groups_torn_down["broken"] += 1
-            self.lose(peer.engine_id, f"XFER_BEGIN refused: {problem}", begin.group)
+            self.lose(peer.engine_id, f"XFER_BEGIN refused: {problem}", begin.group, "broken")
 
     def on_rejected(self, error: ProtocolError) -> None:
         peer = error.claimed_sender
@@ -250,14 +252,13 @@ class Peers:
         now = time.monotonic()
         with self._told_lock:
             told = self._told.get(peer.endpoint)
-            if told is None or now - told >= 1.0:
+            tell = told is None or now - told >= 1.0  # at most once a second per address
+            if tell:
                 self._told[peer.endpoint] = now
                 self._told.move_to_end(peer.endpoint)
                 while len(self._told) > _MAX_TOLD:
                     self._told.popitem(last=False)
-            else:
-                told = -1.0
-        if told != -1.0:
+        if tell:
             self.control.send(peer, Heartbeat())  # it refuses this the same way: both log it
         group = self.groups.get(peer.engine_id)
         if self._receiver is not None and (group is None or not group.is_up):
@@ -283,15 +284,10 @@ class Peers:
                 self.control.send(peer, beat)
         for group in groups:
             if now - group.last_heard > p2p.peer_timeout_s:
-                self.num_groups_torn_down["peer_lost"] += 1
-                self.lose(
-                    group.peer.engine_id,
-                    f"peer lost: nothing heard for {p2p.peer_timeout_s:g}s",
-                    group.name,
-                )
+                reason = f"peer lost: nothing heard for {p2p.peer_timeout_s:g}s"
+                self.lose(group.peer.engine_id, reason, group.name, "peer_lost")
             elif group.is_up and now - group.last_active > p2p.idle_ttl_s:
-                self.num_groups_torn_down["idle"] += 1
-                self.lose(group.peer.engine_id, f"idle for {p2p.idle_ttl_s:g}s", group.name)
+                self.lose(group.peer.engine_id, f"idle for {p2p.idle_ttl_s:g}s", group.name, "idle")
         self.control.close_retired(now)
 
     def close(self) -> None:
@@ -306,9 +302,8 @@ class Peers:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
-        out = {}
         rejected = dict(self.control.rejected)
-        out["num_rejected_messages"] = sum(rejected.values())
+        out = {"num_rejected_messages": sum(rejected.values())}
         out.update({f"num_rejected_{reason}": n for reason, n in rejected.items()})
         out["num_evicted_peers"] = self.control.num_evicted_peers
         out["num_dropped_hellos"] = self.groups.num_dropped_hellos

@@ -55,6 +55,11 @@ class XferBegin(msgspec.Struct, frozen=True):
     parts: list[XferPart]
 
 
+#: Transfers one XFER_BEGIN carries at most: P's send lane fills its wire batches up to it, D
+#: refuses a larger one (it could not allocate what the batch asks for).
+MAX_PARTS = 64
+
+
 class Done(msgspec.Struct, frozen=True):
     """D -> P: the transfer ended on D (``ok``: every wanted block landed)."""
 

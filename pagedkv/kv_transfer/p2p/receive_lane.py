@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.distributed import ProcessGroupGloo
@@ -43,9 +43,17 @@ class _Part:
     num_bytes: int = 0
 
 
-#: A message to receive: its part, its layer's blocks, (kv, start, end), the batch's gloo
-#: tag, and whether it is its part's last.
-_Message = tuple[_Part, LayerBlocks, int, int, int, int, bool]
+class _Message(NamedTuple):
+    """A message to receive: K or V (``kv``) of blocks ``[start, end)`` of one layer of one
+    part, under the batch's gloo ``tag``; ``last``: its part's last message."""
+
+    part: _Part
+    blocks: LayerBlocks
+    kv: int
+    start: int
+    end: int
+    tag: int
+    last: bool
 
 
 class ReceiveLane(Lane):
@@ -73,6 +81,8 @@ class ReceiveLane(Lane):
         self._drain_layers = drain_layers
         self._on_received = on_received
         self._batches: deque[XferBegin] = deque()
+        #: Messages of the planned batches, in order, not yet posted.
+        self._pending: deque[_Message] = deque()
 
     def submit(self, begin: XferBegin) -> bool:
         """Receive this batch after the ones submitted before it; False once stopped."""
@@ -84,42 +94,35 @@ class ReceiveLane(Lane):
             return True
 
     def _run(self) -> None:
-        pending: deque[_Message] = deque()
-        #: Posted receives, oldest first: (work, where it lands, straight into the blocks?,
-        #: message).
-        window: deque[tuple[object, torch.Tensor, bool, _Message]] = deque()
-        posted = [0]
-        try:
-            while True:
-                with self._cond:
-                    while not self._batches and not pending and not window:
-                        self._check_stopped()
-                        self._idle_wait()
+        while True:
+            with self._cond:
+                while not self._batches and not self._pending and not self._window:
                     self._check_stopped()
-                    begins = list(self._batches)
-                    self._batches.clear()
-                for begin in begins:
-                    self._plan(begin, pending)
-                self._post(pending, window, posted)
-                if window:
-                    self._complete_oldest(window, posted)
-        except Exception as e:
-            reason = str(e)
-            self._broke(reason)
-            self._settle(entry[0] for entry in window)  # memory is reused only after
-            for _, _, direct, (part, *_) in window:
-                if direct:
-                    assert part.target is not None
-                    with part.target.lock:
-                        part.target.posted -= 1
-            error = e if isinstance(e, LaneError) else LaneError(reason)
-            ended: set[int] = set()
-            for part in [m[0] for m in pending] + [w[3][0] for w in window]:
-                if part.target is not None and id(part) not in ended:
-                    ended.add(id(part))
-                    self._on_received(part.target, part.num_bytes, error)
+                    self._idle_wait()
+                self._check_stopped()
+                begins = list(self._batches)
+                self._batches.clear()
+            for begin in begins:
+                self._plan(begin)
+            self._post_pending()
+            if self._window:
+                self._complete_oldest()
 
-    def _plan(self, begin: XferBegin, pending: deque[_Message]) -> None:
+    def _fail(self, error: LaneError) -> None:
+        for op in self._window:
+            if not op.staged:
+                target = op.then.part.target
+                with target.lock:
+                    target.posted -= 1
+        ended: set[int] = set()
+        for message in [*self._pending, *(op.then for op in self._window)]:
+            part = message.part
+            if part.target is not None and id(part) not in ended:
+                ended.add(id(part))
+                self._on_received(part.target, part.num_bytes, error)
+        self._pending.clear()
+
+    def _plan(self, begin: XferBegin) -> None:
         parts = []
         for xfer in begin.parts:
             resolved = self._resolve(xfer.transfer_id, xfer.segments)
@@ -135,39 +138,40 @@ class ReceiveLane(Lane):
         ]
         last = {id(message[0]): n for n, message in enumerate(order)}
         for n, (part, blocks, kv, start, end) in enumerate(order):
-            pending.append((part, blocks, kv, start, end, begin.tag, last[id(part)] == n))
+            message = _Message(part, blocks, kv, start, end, begin.tag, last[id(part)] == n)
+            self._pending.append(message)
         for part in parts:  # nothing to receive: done at once
             if id(part) not in last and part.target is not None:
                 self._on_received(part.target, 0, None)
 
-    def _post(self, pending: deque[_Message], window: deque, posted: list[int]) -> None:
-        while pending:
-            message = pending[0]
-            part, blocks, kv, start, end, tag, _ = message
+    def _post_pending(self) -> None:
+        while self._pending:
+            message = self._pending[0]
+            blocks, start, end = message.blocks, message.start, message.end
             size = blocks.num_bytes(start, end)
-            if window and posted[0] + size > self._in_flight_bytes:
+            if self._window and self._window_bytes + size > self._in_flight_bytes:
                 return
             self._check_stopped()
-            into = self._into_blocks(part.target, blocks, kv, start, end)
-            direct = into is not None
+            into = self._into_blocks(message)
+            staged = into is None
             if into is None:  # staged, scattered once it has arrived
                 staging = self._ring.take(size)
                 if staging is None:
                     return
                 into = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
             assert self._pg is not None
-            work = self._pg.recv([into], self._peer_rank, tag)
-            pending.popleft()
-            window.append((work, into, direct, message))
-            posted[0] += size
+            work = self._pg.recv([into], self._peer_rank, message.tag)
+            self._pending.popleft()
+            self._post(work, into, staged, message)
 
     @staticmethod
-    def _into_blocks(target: Target | None, blocks: LayerBlocks, kv: int, start: int, end: int):
+    def _into_blocks(message: _Message) -> torch.Tensor | None:
         """The message's blocks themselves when D's ids for it are consecutive and the load
         is still wanted (counted in ``posted``: its end is reported once none is left)."""
+        target = message.part.target
         if target is None:
             return None
-        run = blocks.run(kv, start, end)
+        run = message.blocks.run(message.kv, message.start, message.end)
         if run is None:
             return None
         with target.lock:
@@ -176,14 +180,11 @@ class ReceiveLane(Lane):
             target.posted += 1
         return run
 
-    def _complete_oldest(self, window: deque, posted: list[int]) -> None:
-        work, into, direct, (part, blocks, kv, start, end, _, last) = window[0]
-        self._wait(work)
-        window.popleft()
-        size = nbytes(into)
-        posted[0] -= size
-        target = part.target
-        if direct:
+    def _complete_oldest(self) -> None:
+        op = self._pop_oldest()
+        message: _Message = op.then
+        part, target = message.part, message.part.target
+        if not op.staged:
             assert target is not None
             with target.lock:
                 target.posted -= 1
@@ -194,9 +195,9 @@ class ReceiveLane(Lane):
             if target is not None:
                 with target.lock:
                     if not target.cancelled:
-                        blocks.scatter(kv, start, end, into)
+                        message.blocks.scatter(message.kv, message.start, message.end, op.tensor)
             self._ring.give_back()
         if target is not None:
-            part.num_bytes += size
-            if last:
+            part.num_bytes += nbytes(op.tensor)
+            if message.last:
                 self._on_received(target, part.num_bytes, None)

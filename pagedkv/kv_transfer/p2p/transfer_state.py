@@ -26,7 +26,7 @@ import collections
 import enum
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, SendSpec
@@ -117,13 +117,7 @@ class P2pStats:
     num_tokens_received: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        out = {
-            "num_blocks_sent": self.num_blocks_sent,
-            "num_bytes_sent": self.num_bytes_sent,
-            "num_blocks_received": self.num_blocks_received,
-            "num_bytes_received": self.num_bytes_received,
-            "num_tokens_received": self.num_tokens_received,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name.startswith("num_")}
         for state in ("delivered", "refused", "failed", "expired"):
             out[f"num_sends_{state}"] = self.sends[state]
             out[f"num_loads_{state}"] = self.loads[state]

@@ -1,8 +1,9 @@
 """Checks of D's WANT on P: whether it can be any request's, and whether this KV serves it.
 
 A WANT is kept (early, before P's request reached its KV) only if it could be a request's at
-all, so a flood of made-up ones costs bounded memory; it is served only if it names exactly
-the blocks of P's prompt that D may ask for, cut into sane messages.
+all, so a flood of made-up ones costs bounded memory; it is served only to the D that P's
+request allows (if it names one), and only if it names exactly the blocks of P's prompt that
+D may ask for, cut into sane messages.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.p2p.connector import SendSpec
 from pagedkv.kv_transfer.p2p.protocol import Want
+from pagedkv.kv_transfer.p2p.transfer_state import Outbound
+from pagedkv.transport.peer_addr import PeerAddr
 from pagedkv.utils import cdiv
 
 #: No single message may be larger, whatever a WANT asks for.
@@ -29,8 +32,17 @@ def want_size_problem(want: Want, num_groups: int, block_size: int, num_blocks: 
     return None
 
 
-def want_problem(want: Want, spec: SendSpec, block_size: int, half_block_bytes: int) -> str | None:
+def may_serve(spec: SendSpec | None, peer: PeerAddr) -> bool:
+    """Whether ``peer`` may pull this KV (None: P's request has not got to it yet)."""
+    return spec is None or spec.expected_peer in (None, peer.engine_id)
+
+
+def want_problem(rec: Outbound, block_size: int, half_block_bytes: int) -> str | None:
     """Why D's WANT can't be served from this KV (None: it can)."""
+    want, spec, peer = rec.want, rec.spec, rec.peer
+    assert want is not None and spec is not None and peer is not None
+    if not may_serve(spec, peer):
+        return f"transfer is for {spec.expected_peer}, not {peer.engine_id}"
     if want.num_prompt_tokens != spec.num_prompt_tokens or want.prompt_hash != spec.prompt_hash:
         return "prompt mismatch: P and D hold different prompts for this transfer"
     if len(want.block_indices) != len(spec.block_ids):

@@ -14,7 +14,8 @@ The flow, P and D dispatched concurrently by the proxy::
 
 Who owns what (each with its own lock, changed only through named events):
 
-  OutboundTransfers (outbound.py)  P's transfers: records, leases, tombstones, early WANTs
+  OutboundTransfers (outbound.py)  P's transfers: WANTs, sends, early WANTs; their records
+                                   (outbound_records.py: leases, one end, tombstones)
   InboundTransfers (inbound.py)    D's loads: plans, cancels, deadlines, one report each
   Peers (peers.py)                 the control plane, pair groups, their lanes, liveness
   SendMode (send_modes.py)         PUT / PUT_ASYNC / GET: where a send reads the KV from

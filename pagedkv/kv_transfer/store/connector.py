@@ -44,7 +44,7 @@ from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
 from pagedkv.kv_transfer.store.config import StoreConfig
-from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec, StoreConnectorMetadata
+from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata, StoreLoad
 from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 from pagedkv.utils import cdiv
@@ -224,7 +224,7 @@ class StoreConnector(KVConnectorBase):
         ]
         self.stats.num_hit_blocks += len(refs)
         is_async = self.store_config.load_mode == "async"
-        self._meta.loads.append(LoadSpec(request.request_id, refs, is_async))
+        self._meta.loads.append(StoreLoad(request.request_id, refs, is_async))
 
     def _warn_no_hashes(self) -> None:
         if not self._warned_no_hashes:

@@ -20,7 +20,7 @@ import torch
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, CorruptValue, decode_value
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
-from pagedkv.kv_transfer.store.metadata import BlockRef, LoadSpec
+from pagedkv.kv_transfer.store.metadata import BlockRef, StoreLoad
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 from pagedkv.transport.rate_limited_log import RateLimitedLog
@@ -124,11 +124,11 @@ class BlockLoader:
         self._cancelled: set[str] = set()
         self._finished: set[str] = set()
         self._invalid: set[int] = set()
-        self._queue: queue.SimpleQueue[LoadSpec | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[StoreLoad | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pagedkv-store-loader", daemon=True)
         self._thread.start()
 
-    def submit(self, spec: LoadSpec) -> None:
+    def submit(self, spec: StoreLoad) -> None:
         with self._lock:
             self._pending.add(spec.req_id)
         self._queue.put(spec)

@@ -17,9 +17,9 @@ class BlockRef:
 
 
 @dataclass(slots=True)
-class LoadSpec:
-    """Load ``blocks`` for a request: between steps (``is_async``), or before this step's
-    forward pass."""
+class StoreLoad:
+    """Load a request's ``blocks`` from the store: between steps (``is_async``), or before
+    this step's forward pass."""
 
     req_id: str
     blocks: list[BlockRef]
@@ -30,7 +30,7 @@ class LoadSpec:
 class StoreConnectorMetadata(KVConnectorMetadata):
     #: Blocks whose KV became complete in this step's forward pass, with their owner request.
     saves: list[tuple[str, BlockRef]] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
+    loads: list[StoreLoad] = field(default_factory=list)
     #: Finished requests whose blocks are held until their puts have ended.
     flushes: list[str] = field(default_factory=list)
     #: Async loads to stop (request aborted or past its deadline).

@@ -39,10 +39,6 @@ class StoreStats:
     num_load_cancelled: int = 0
 
     @property
-    def num_puts_skipped(self) -> int:
-        return self.num_puts_skipped_recent + self.num_puts_skipped_stored
-
-    @property
     def num_load_invalid(self) -> int:
         return (
             self.num_load_missing
