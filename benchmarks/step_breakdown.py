@@ -27,6 +27,8 @@ from functools import partial
 import numpy as np
 import torch
 
+from pagedkv.engine.request_input import RequestInput
+
 
 class _Timed:
     """Wraps a callable, adding up its wall time."""
@@ -171,7 +173,7 @@ def decode_breakdown(llm, prompts: list[list[int]], params, num_steps: int = 12)
     many small ops of attention and "other"."""
     engine = llm.llm_engine
     engine.reset_prefix_cache()
-    ids = [engine.add_request(None, p, params) for p in prompts]
+    ids = [engine.add_request(RequestInput(p, params)) for p in prompts]
     decoding: set[str] = set()
     while len(decoding) < len(ids):  # step through the prefills
         for out in engine.step():

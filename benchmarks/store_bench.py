@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedkv.engine.request_input import RequestInput  # noqa: E402
 from pagedkv.kv_transfer.store.backends import create_backend  # noqa: E402
 from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE  # noqa: E402
 from pagedkv.kv_transfer.store.block_layout import GroupLayout  # noqa: E402
@@ -343,7 +344,7 @@ def time_to_first_token(llm, prompt: list[int], params) -> tuple[float, int]:
     engine = llm.llm_engine
     engine.reset_prefix_cache()
     t0 = time.perf_counter()
-    engine.add_request(None, prompt, params)
+    engine.add_request(RequestInput(prompt, params))
     token = None
     while engine.has_unfinished_requests():
         for out in engine.step():

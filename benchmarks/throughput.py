@@ -93,13 +93,13 @@ def run_llamacpp(gguf: str | None, anchor: str, args) -> dict | str:
 def run_ours_single(llm, prompt: list[int], new_tokens: int) -> dict:
     """TTFT and inter-token times of one request, from the engine's own step loop."""
     from pagedkv import SamplingParams
+    from pagedkv.engine.request_input import RequestInput
 
     engine = llm.llm_engine
     engine.reset_prefix_cache()  # a cold start, as for transformers: no reused prompt blocks
     t0 = time.perf_counter()
-    engine.add_request(
-        None, prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    )
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(RequestInput(prompt, params))
     stamps: list[float] = []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.llm_engine import LLMEngine, NewRequest, PromptType
+from pagedkv.engine.llm_engine import LLMEngine, NewRequest
 from pagedkv.engine.outputs import RequestOutput, merge_deltas
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.engine.scheduler_stats import SchedulerStats
-from pagedkv.sampling_params import RequestOutputKind, SamplingParams
+from pagedkv.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -137,30 +138,12 @@ class AsyncLLM:
         return self._dead is None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ the API side
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        max_tokens_must_fit: bool = False,
-    ) -> RequestStream:
+    def add_request(self, request: RequestInput) -> RequestStream:
         """Tokenize and validate here (bad input raises ValueError now), then submit.
 
         Must be called from the running event loop that will read the returned stream.
         """
-        new = self.llm_engine.make_request(
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            max_tokens_must_fit=max_tokens_must_fit,
-        )
+        new = self.llm_engine.make_request(request)
         deltas = new.children[0].sampling_params.output_kind is RequestOutputKind.DELTA
         stream = RequestStream(new.request_id, asyncio.get_running_loop(), self.abort, deltas)
         with self._lock:
@@ -169,28 +152,11 @@ class AsyncLLM:
             self._commands.put(lambda: self._enqueue(new, stream))
         return stream
 
-    async def generate(
-        self,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: RequestInput) -> AsyncIterator[RequestOutput]:
         """The outputs of one request (``params.output_kind``: cumulative by default), the last
         one ``finished``. Bad input raises ValueError at the first iteration, before anything
         reaches the engine."""
-        stream = self.add_request(
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-        )
-        async for output in stream:
+        async for output in self.add_request(request):
             yield output
 
     def abort(self, request_id: str, stream: RequestStream | None = None) -> None:

@@ -11,8 +11,9 @@ from tqdm import tqdm
 
 from pagedkv.engine.chat_template import render_chat
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.llm_engine import LLMEngine, PromptType
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request_input import PromptType, RequestInput
 from pagedkv.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -84,11 +85,8 @@ class LLM:
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-                ids.append(
-                    engine.add_request(
-                        None, prompt, params, priority=priority[i] if priority else 0
-                    )
-                )
+                request = RequestInput(prompt, params, priority=priority[i] if priority else 0)
+                ids.append(engine.add_request(request))
         except ValueError:
             engine.abort_request(ids)
             raise

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from pagedkv.engine.config import SchedulerConfig
@@ -19,6 +19,7 @@ from pagedkv.engine.engine_description import EngineDescription, ModelIdentity
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
+from pagedkv.engine.request_input import PromptType, RequestInput
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.engine.structured_output_manager import StructuredOutputManager
@@ -36,8 +37,6 @@ from pagedkv.utils import cdiv
 from pagedkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | Sequence[int] | dict
 
 
 class NewRequest(NamedTuple):
@@ -72,8 +71,7 @@ class LLMEngine:
         model_path = args.model_path
         self.tokenizer = load_tokenizer(args.tokenizer or model_path)
         self.model_runner = ModelRunner(args.create_worker_config())
-        model_config = self.model_runner.model_config
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size = self.model_runner.model_config.vocab_size
         self.max_model_len = self.model_runner.max_model_len
         generation_defaults = self.model_runner.generation_defaults
         self.eos_token_id = generation_defaults.eos_token_id
@@ -89,41 +87,14 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
         )
-        layer_specs = self.model_runner.get_kv_cache_specs(args.block_size)
-        self.kv_cache_config = get_kv_cache_config(
-            layer_specs,
-            kv_cache_memory_bytes=self._kv_cache_budget(layer_specs),
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-        )
-        self._check_one_request_fits()
-        self.model_runner.initialize_kv_cache(self.kv_cache_config)
-        self.model_runner.warm_up()
         self.kv_events_config = KVEventsConfig.from_dict(args.kv_events_config or {})
         publishes = self.kv_events_config.publishes and args.enable_prefix_caching
-        self.kv_cache_manager = KVCacheManager(
-            self.kv_cache_config,
-            self.max_model_len,
-            enable_caching=args.enable_prefix_caching,
-            max_in_flight_tokens=args.max_num_batched_tokens,
-            enable_kv_cache_events=publishes,
-        )
+        self._init_kv_cache(publishes)
         #: Publishes what the prefix cache stores and evicts (``--kv-events-config``).
         self.kv_event_publisher = KVEventPublisher(self.kv_events_config) if publishes else None
-        self.block_hasher = (
-            BlockHasher(self.kv_cache_config.hash_block_size, args.prefix_caching_hash_algo)
-            if args.enable_prefix_caching
-            else None
-        )
         dtype = str(self.model_runner.dtype).removeprefix("torch.")
         identity = ModelIdentity.of(model_path, dtype, self.kv_cache_config, args.block_size)
-        self.kv_transfer_config = None
-        connector = None
-        if args.kv_transfer_config is not None:
-            self.kv_transfer_config = KVTransferConfig.from_dict(args.kv_transfer_config)
-            connector, connector_worker = create_connector(
-                self.kv_transfer_config, self.kv_cache_config, identity.fingerprint
-            )
-            self.model_runner.set_kv_connector(connector_worker)
+        connector = self._init_kv_connector(identity.fingerprint)
         self.description = self._describe(identity, connector)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -164,6 +135,46 @@ class LLMEngine:
         """Requests running and waiting now (plain ints the engine thread writes)."""
         return self.scheduler.stats.num_running_reqs, self.scheduler.stats.num_waiting_reqs
 
+    def _init_kv_cache(self, enable_kv_cache_events: bool) -> None:
+        """Size the KV cache and make its manager (refusing a cache that cannot hold a request
+        of ``max_model_len`` tokens) and block hasher; allocate it in the model runner and warm
+        the runner up."""
+        args = self.args
+        layer_specs = self.model_runner.get_kv_cache_specs(args.block_size)
+        self.kv_cache_config = get_kv_cache_config(
+            layer_specs,
+            kv_cache_memory_bytes=self._kv_cache_budget(layer_specs),
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            self.kv_cache_config,
+            self.max_model_len,
+            enable_caching=args.enable_prefix_caching,
+            max_in_flight_tokens=args.max_num_batched_tokens,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.kv_cache_manager.check_one_request_fits()
+        self.block_hasher = (
+            BlockHasher(self.kv_cache_config.hash_block_size, args.prefix_caching_hash_algo)
+            if args.enable_prefix_caching
+            else None
+        )
+        self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        self.model_runner.warm_up()
+
+    def _init_kv_connector(self, model_fingerprint: str) -> KVConnectorBase | None:
+        """The KV connector's scheduler half (``--kv-transfer-config``); its worker half goes
+        to the model runner."""
+        self.kv_transfer_config = None
+        if self.args.kv_transfer_config is None:
+            return None
+        self.kv_transfer_config = KVTransferConfig.from_dict(self.args.kv_transfer_config)
+        connector, connector_worker = create_connector(
+            self.kv_transfer_config, self.kv_cache_config, model_fingerprint
+        )
+        self.model_runner.set_kv_connector(connector_worker)
+        return connector
+
     def _kv_cache_budget(self, layer_specs) -> int:
         """Bytes for the KV cache: the configured budget, capped at what max_num_seqs full-length
         requests could ever use (no point reserving more)."""
@@ -175,35 +186,6 @@ class LLMEngine:
         page_bytes = sum(spec.page_size_bytes for spec in layer_specs.values())
         max_useful_blocks = self.args.max_num_seqs * cdiv(self.max_model_len, self.args.block_size)
         return min(budget, (max_useful_blocks + 1) * page_bytes)
-
-    def _check_one_request_fits(self) -> None:
-        """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens (as vLLM
-        does): such a request could never be admitted, or would preempt itself forever."""
-        groups = self.kv_cache_config.kv_cache_groups
-        in_flight = self.args.max_num_batched_tokens
-
-        def blocks_for(num_tokens: int) -> int:
-            total = 0
-            for group in groups:
-                spec = group.kv_cache_spec
-                num_blocks = cdiv(num_tokens, spec.block_size)
-                cap = spec.max_admission_blocks_per_request(in_flight, num_tokens)
-                total += num_blocks if cap is None else min(cap, num_blocks)
-            return total
-
-        usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
-        if blocks_for(self.max_model_len) <= usable:
-            return
-        lo, hi = 0, self.max_model_len  # the longest length that fits is in [lo, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if blocks_for(mid) <= usable else (lo, mid)
-        raise ValueError(
-            f"the KV cache ({usable} blocks of {self.args.block_size} tokens) cannot hold one "
-            f"request of max_model_len={self.max_model_len} tokens "
-            f"({blocks_for(self.max_model_len)} blocks): raise --kv-cache-memory or "
-            f"--num-gpu-blocks-override, or set --max-model-len {lo} or less"
-        )
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -225,63 +207,36 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def add_request(
-        self,
-        request_id: str | None,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-    ) -> str:
+    def add_request(self, request: RequestInput) -> str:
         """Validate and enqueue a request; returns its id. Bad input raises ValueError."""
-        new = self.make_request(
-            request_id, prompt, params, arrival_time, priority, cache_salt, kv_transfer_params
-        )
+        new = self.make_request(request)
         self.enqueue_request(new)
         return new.request_id
 
-    def make_request(
-        self,
-        request_id: str | None,
-        prompt: PromptType,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        max_tokens_must_fit: bool = False,
-    ) -> NewRequest:
+    def make_request(self, request: RequestInput) -> NewRequest:
         """Tokenize, validate and compile its grammar, without touching engine state.
 
         ``params.n > 1`` makes ``n`` child requests ``{i}_{request_id}`` (vLLM's ids), child
-        ``i`` seeded with ``seed + i``. ``max_tokens_must_fit`` (the server) refuses a
-        ``max_tokens`` that the context cannot hold, instead of capping it. Safe to call from
-        another thread than the one stepping the engine (AsyncLLM does).
+        ``i`` seeded with ``seed + i``. Safe to call from another thread than the one stepping
+        the engine (AsyncLLM does).
         """
-        params = params or self.default_sampling_params()
-        request_id = request_id or self.new_request_id()
-        text, token_ids = self.tokenize(prompt)
+        params = request.params or self.default_sampling_params()
+        request_id = request.request_id or self.new_request_id()
+        text, token_ids = self.tokenize(request.prompt)
         self.validate_prompt(token_ids)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be below the vocabulary size {self.vocab_size}, "
                 f"got {params.stop_token_ids[:5]}"
             )
-        if params.n > 1 and kv_transfer_params is not None:
-            raise ValueError("n > 1 cannot be combined with kv_transfer_params")
         room = self.max_model_len - len(token_ids)
-        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+        if request.max_tokens_must_fit and (params.max_tokens or 0) > room:
             raise ValueError(
                 f"max_tokens is too large: {params.max_tokens}. This model's maximum context "
                 f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
                 f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)})"
             )
         max_tokens = room if params.max_tokens is None else min(room, params.max_tokens)
-        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         children = []
         for index in range(params.n):
             changes = {}
@@ -301,10 +256,10 @@ class LLMEngine:
                     max_tokens=max_tokens,
                     eos_token_id=self.eos_token_id,
                     block_hasher=self.block_hasher,
-                    arrival_time=arrival_time,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    kv_transfer_params=kv_transfer_params,
+                    arrival_time=request.arrival_time,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    kv_transfer_params=request.kv_transfer_params,
                     grammar=grammar,
                 )
             )

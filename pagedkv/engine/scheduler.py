@@ -114,71 +114,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
-        kv = self.kv_cache_manager
-        budget = self.config.max_num_batched_tokens
+        """One step's batch: running requests first (preempting when the pool is out of
+        blocks), then waiting ones, unless this step had to preempt (no room to admit anyone)."""
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, KVCacheBlocks] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted = False
-
-        # 1. Running requests: decodes and prefill chunks in progress.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.max_model_len - request.num_computed_tokens,
-            )
-            if num_new <= 0:
-                i += 1
-                continue
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
-                victim = self._pick_victim()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-                if victim.request_id in num_scheduled:  # scheduled earlier this step (priority)
-                    scheduled_running.remove(victim)
-                    del new_blocks_of[victim.request_id]
-                    budget += num_scheduled.pop(victim.request_id)
-                i = self.running.index(request)
-            if new_blocks is None:
-                continue
-            scheduled_running.append(request)
-            new_blocks_of[request.request_id] = new_blocks
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            i += 1
-
-        # 2. Waiting requests, unless this step had to preempt (no room to admit anyone).
+        # The running requests scheduled this step, in order, and the blocks each was given.
+        scheduled_running: dict[Request, KVCacheBlocks] = {}
+        budget, preempted = self._schedule_running(num_scheduled, scheduled_running)
         self.kv_transfers.cancel_overdue_loads()
-        skipped: list[Request] = []
-        while not preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            request = self.waiting.peek()
-            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            if loading and not self.kv_transfers.promote_if_loaded(request):
-                skipped.append(self.waiting.pop())
-                continue
-            admission = self._admit(request, budget)
-            if admission.outcome is AdmissionOutcome.NO_ROOM:
-                break
-            self.waiting.pop()
-            if admission.outcome is not AdmissionOutcome.SCHEDULED:  # retry, or its KV loads
-                skipped.append(request)
-                continue
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled_new.append(request)
-            num_scheduled[request.request_id] = admission.num_new_tokens
-            budget -= admission.num_new_tokens
-        for request in reversed(skipped):
-            self.waiting.prepend(request)
-
+        scheduled_new: list[Request] = []
+        if not preempted:
+            budget = self._schedule_waiting(budget, num_scheduled, scheduled_new)
+        kv = self.kv_cache_manager
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
@@ -192,12 +138,8 @@ class Scheduler:
                 for r in scheduled_new
             ],
             scheduled_cached_reqs=[
-                CachedRequestData(
-                    r.request_id,
-                    new_blocks_of[r.request_id].get_block_ids(),
-                    r.num_computed_tokens,
-                )
-                for r in scheduled_running
+                CachedRequestData(r.request_id, new_blocks.get_block_ids(), r.num_computed_tokens)
+                for r, new_blocks in scheduled_running.items()
             ],
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
@@ -216,6 +158,72 @@ class Scheduler:
                 self.stats.num_prompt_tokens += min(n, num_prompt_left)
             request.num_computed_tokens += n
         return output
+
+    def _schedule_running(
+        self, num_scheduled: dict[str, int], scheduled: dict[Request, KVCacheBlocks]
+    ) -> tuple[int, bool]:
+        """Decodes and prefill chunks in progress, preempting when out of blocks; returns the
+        token budget left and whether anyone was preempted."""
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                if victim.request_id in num_scheduled:  # scheduled earlier this step (priority)
+                    del scheduled[victim]
+                    budget += num_scheduled.pop(victim.request_id)
+                i = self.running.index(request)
+            if new_blocks is None:
+                continue
+            scheduled[request] = new_blocks
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+        return budget, preempted
+
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], scheduled: list[Request]
+    ) -> int:
+        """Admit waiting requests while the budget and ``max_num_seqs`` allow; returns the
+        token budget left."""
+        skipped: list[Request] = []
+        while self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if loading and not self.kv_transfers.promote_if_loaded(request):
+                skipped.append(self.waiting.pop())
+                continue
+            admission = self._admit(request, budget)
+            if admission.outcome is AdmissionOutcome.NO_ROOM:
+                break
+            self.waiting.pop()
+            if admission.outcome is not AdmissionOutcome.SCHEDULED:  # retry, or its KV loads
+                skipped.append(request)
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_scheduled[request.request_id] = admission.num_new_tokens
+            budget -= admission.num_new_tokens
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+        return budget
 
     def _admit(self, request: Request, budget: int) -> Admission:
         """Allocate for a waiting request: its local prefix hit and the connector's tokens on

@@ -10,6 +10,7 @@ from typing import TextIO
 from pagedkv.arg_types import unescaped
 from pagedkv.engine.engine_args import EngineArgs
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -107,7 +108,7 @@ def run_generate(args: argparse.Namespace) -> None:
         ignore_eos=args.ignore_eos,
     )
     engine = LLMEngine(engine_args)
-    request_ids = [engine.add_request(None, prompt, params) for prompt in args.prompts]
+    request_ids = [engine.add_request(RequestInput(prompt, params)) for prompt in args.prompts]
     printer = OrderedStreamPrinter(args.prompts, request_ids, sys.stdout)
     start = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -20,6 +20,7 @@ from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_coordinator import get_kv_cache_coordinator
 from pagedkv.kv_cache.kv_events import KVCacheEvent
 from pagedkv.kv_cache.request import KVCacheRequest
+from pagedkv.utils import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +68,13 @@ class KVCacheManager:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        if max_in_flight_tokens is None:
+            max_in_flight_tokens = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens
         self.coordinator = get_kv_cache_coordinator(
             kv_cache_config,
             max_model_len,
-            max_in_flight_tokens if max_in_flight_tokens is not None else max_model_len,
+            max_in_flight_tokens,
             enable_caching,
             enable_kv_cache_events,
         )
@@ -80,6 +84,34 @@ class KVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
         self.prefix_cache_stats = PrefixCacheStats()
+
+    def check_one_request_fits(self) -> None:
+        """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens (as vLLM
+        does): such a request could never be admitted, or would preempt itself forever."""
+        groups = self.kv_cache_config.kv_cache_groups
+
+        def blocks_for(num_tokens: int) -> int:
+            total = 0
+            for group in groups:
+                spec = group.kv_cache_spec
+                num_blocks = cdiv(num_tokens, spec.block_size)
+                cap = spec.max_admission_blocks_per_request(self.max_in_flight_tokens, num_tokens)
+                total += num_blocks if cap is None else min(cap, num_blocks)
+            return total
+
+        usable = self.kv_cache_config.num_blocks - 1  # block 0 is the null block
+        if blocks_for(self.max_model_len) <= usable:
+            return
+        lo, hi = 0, self.max_model_len  # the longest length that fits is in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if blocks_for(mid) <= usable else (lo, mid)
+        raise ValueError(
+            f"the KV cache ({usable} blocks of {self.kv_cache_config.scheduler_block_size} "
+            f"tokens) cannot hold one request of max_model_len={self.max_model_len} tokens "
+            f"({blocks_for(self.max_model_len)} blocks): raise --kv-cache-memory or "
+            f"--num-gpu-blocks-override, or set --max-model-len {lo} or less"
+        )
 
     @property
     def usage(self) -> float:
@@ -126,43 +158,23 @@ class KVCacheManager:
         requires room for the whole current sequence. ``delay_cache_blocks`` (KV arriving from
         a connector) leaves the new blocks out of the prefix cache until the KV has landed.
         """
-        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_external_computed_tokens < 0:
-            raise ValueError(
-                "token counts must be >= 0, got num_new_tokens="
-                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
-                f"num_external_computed_tokens={num_external_computed_tokens}"
-            )
-        if num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
-        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
-            raise ValueError("allocate_slots needs new tokens or computed tokens to adopt")
+        hit_blocks = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
+        self._check_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hit_blocks,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+        )
         coordinator = self.coordinator
         request_id = request.request_id
-        if request.num_computed_tokens and not coordinator.is_allocated(request_id):
-            raise ValueError(
-                f"request {request_id!r} is unknown to the KV cache manager: it claims "
-                f"{request.num_computed_tokens} computed tokens but holds no blocks"
-            )
-        hit_blocks = (
-            new_computed_blocks.blocks
-            if new_computed_blocks is not None
-            else self.empty_kv_cache_blocks.blocks
-        )
-        self._check_new_computed_blocks(request_id, num_new_computed_tokens, hit_blocks)
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
-
-        if full_sequence_must_fit:
-            num_needed = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                min(request.num_tokens, self.max_model_len),
-                hit_blocks,
-                total_computed,
-                apply_admission_cap=True,
-            )
-            if num_needed > self.block_pool.get_num_free_blocks():
-                return None
-
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hit_blocks, total_computed
+        ):
+            return None
         num_tokens_need_slot = min(
             total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
@@ -186,15 +198,53 @@ class KVCacheManager:
             )
         return KVCacheBlocks(new_blocks)
 
-    def _check_new_computed_blocks(
+    def _full_sequence_fits(
         self,
-        request_id: str,
+        request: KVCacheRequest,
+        hit_blocks: Sequence[Sequence[KVCacheBlock]],
+        total_computed: int,
+    ) -> bool:
+        """Whether the pool has room for the request's whole current sequence (an admission)."""
+        num_needed = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            min(request.num_tokens, self.max_model_len),
+            hit_blocks,
+            total_computed,
+            apply_admission_cap=True,
+        )
+        return num_needed <= self.block_pool.get_num_free_blocks()
+
+    def _check_allocation(
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
         num_new_computed_tokens: int,
         hit_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
     ) -> None:
-        """A prefix hit is adopted once, on admission, and its tokens are exactly its blocks'
+        """``allocate_slots``'s arguments, checked (ValueError naming the field).
+
+        A prefix hit is adopted once, on admission, and its tokens are exactly its blocks'
         (``get_computed_blocks`` returns ``num_hit // block_size`` blocks per group, null ones
-        included). Otherwise never-computed blocks would be cached under the hit's hashes."""
+        included). Otherwise never-computed blocks would be cached under the hit's hashes.
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_external_computed_tokens < 0:
+            raise ValueError(
+                "token counts must be >= 0, got num_new_tokens="
+                f"{num_new_tokens}, num_new_computed_tokens={num_new_computed_tokens}, "
+                f"num_external_computed_tokens={num_external_computed_tokens}"
+            )
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        if not (num_new_tokens or num_new_computed_tokens or num_external_computed_tokens):
+            raise ValueError("allocate_slots needs new tokens or computed tokens to adopt")
+        request_id = request.request_id
+        if request.num_computed_tokens and not self.coordinator.is_allocated(request_id):
+            raise ValueError(
+                f"request {request_id!r} is unknown to the KV cache manager: it claims "
+                f"{request.num_computed_tokens} computed tokens but holds no blocks"
+            )
         if self.coordinator.is_allocated(request_id):
             if num_new_computed_tokens or any(hit_blocks):
                 raise ValueError(

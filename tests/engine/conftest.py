@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import CONFIGS, build_checkpoint, build_tokenizer
 
 
@@ -46,7 +47,7 @@ def hf_model(checkpoint):
 def run(engine, requests: list[tuple[list[int], SamplingParams, dict | None]]) -> list:
     """Step ``engine`` until it drains (60 s at most): the finished outputs of ``requests``
     (prompt, params, kv_transfer_params), in order."""
-    ids = [engine.add_request(None, p, sp, kv_transfer_params=kv) for p, sp, kv in requests]
+    ids = [engine.add_request(RequestInput(p, sp, kv_transfer_params=kv)) for p, sp, kv in requests]
     done = {}
     deadline = time.monotonic() + 60
     while engine.has_unfinished_requests():

@@ -12,6 +12,7 @@ import pytest
 from pagedkv import EngineArgs, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.sampling_params import RequestOutputKind
 from tests.engine.conftest import assert_all_blocks_free
@@ -51,7 +52,9 @@ def test_concurrent_requests_share_steps_and_match_offline(async_llm, make_llm) 
     prompts = [random_prompt(5 + i % 7, seed=i) for i in range(16)]
 
     async def run() -> list[RequestOutput]:
-        return await asyncio.gather(*(collect(async_llm.generate(p, GREEDY)) for p in prompts))
+        return await asyncio.gather(
+            *(collect(async_llm.generate(RequestInput(p, GREEDY))) for p in prompts)
+        )
 
     outputs = asyncio.run(run())
     offline = make_llm("llama").generate(prompts, GREEDY, use_tqdm=False)
@@ -64,7 +67,10 @@ def test_concurrent_requests_share_steps_and_match_offline(async_llm, make_llm) 
 
 def test_outputs_stream_cumulatively(async_llm) -> None:
     async def run() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) async for o in async_llm.generate([7, 8, 9], GREEDY)]
+        return [
+            list(o.outputs[0].token_ids)
+            async for o in async_llm.generate(RequestInput([7, 8, 9], GREEDY))
+        ]
 
     seen = asyncio.run(run())
     assert all(a == b[: len(a)] for a, b in zip(seen, seen[1:]))
@@ -78,12 +84,14 @@ def test_a_slow_reader_of_deltas_gets_them_merged_not_dropped(async_llm) -> None
 
     async def run() -> tuple[list[RequestOutput], RequestOutput]:
         deltas = []
-        async for output in async_llm.generate(prompt, params):
+        async for output in async_llm.generate(RequestInput(prompt, params)):
             deltas.append(output)
             await asyncio.sleep(0.05)  # several engine steps
         full = await collect(
             async_llm.generate(
-                prompt, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+                RequestInput(
+                    prompt, dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+                )
             )
         )
         return deltas, full
@@ -100,17 +108,17 @@ def test_a_slow_reader_of_deltas_gets_them_merged_not_dropped(async_llm) -> None
 def test_bad_input_raises_in_the_caller(async_llm) -> None:
     async def run() -> None:
         with pytest.raises(ValueError, match="prompt must not be empty"):
-            async_llm.add_request(None, [], GREEDY)
+            async_llm.add_request(RequestInput([], GREEDY))
         with pytest.raises(ValueError, match="prompt token ids"):
-            async_llm.add_request(None, [1, 100000], GREEDY)
+            async_llm.add_request(RequestInput([1, 100000], GREEDY))
         with pytest.raises(ValueError, match="stop_token_ids"):
-            async_llm.add_request(None, [1, 2], SamplingParams(stop_token_ids=[256]))
+            async_llm.add_request(RequestInput([1, 2], SamplingParams(stop_token_ids=[256])))
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(seed=2**64)  # beyond what a torch generator takes
         with pytest.raises(ValueError, match="max_model_len"):
-            await collect(async_llm.generate([1] * 1000, GREEDY))
-        stream = async_llm.add_request("dup", [1, 2], GREEDY)
-        taken = async_llm.add_request("dup", [1, 2], GREEDY)
+            await collect(async_llm.generate(RequestInput([1] * 1000, GREEDY)))
+        stream = async_llm.add_request(RequestInput([1, 2], GREEDY, request_id="dup"))
+        taken = async_llm.add_request(RequestInput([1, 2], GREEDY, request_id="dup"))
         await collect(stream)
         with pytest.raises(ValueError, match="already in use"):
             await collect(taken)
@@ -123,7 +131,7 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_llm) -> None:
     stat_logger = async_llm.stat_loggers[0]
 
     async def run() -> None:
-        async for output in async_llm.generate(random_prompt(40, seed=1), long):
+        async for output in async_llm.generate(RequestInput(random_prompt(40, seed=1), long)):
             if len(output.outputs[0].token_ids) >= 2:
                 assert stat_logger.stats.kv_cache_usage > 0
                 break
@@ -139,7 +147,7 @@ def test_leaving_a_stream_aborts_and_frees_blocks(async_llm) -> None:
 
 
 def test_idle_engine_thread_does_not_spin(async_llm) -> None:
-    asyncio.run(collect(async_llm.generate([1, 2, 3], GREEDY)))
+    asyncio.run(collect(async_llm.generate(RequestInput([1, 2, 3], GREEDY))))
     start = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - start < 0.1  # polling every millisecond costs far more
@@ -149,12 +157,12 @@ def test_shutdown_ends_streams_with_engine_dead_error(async_llm) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def run() -> None:
-        stream = async_llm.add_request(None, [1, 2, 3], long)
+        stream = async_llm.add_request(RequestInput([1, 2, 3], long))
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 async_llm.shutdown()
         with pytest.raises(EngineDeadError):
-            async_llm.add_request(None, [1, 2, 3], long)
+            async_llm.add_request(RequestInput([1, 2, 3], long))
 
     asyncio.run(run())
     assert not async_llm.is_running
@@ -168,12 +176,14 @@ def test_a_refused_stream_does_not_abort_the_request_holding_its_id(async_llm) -
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     async def run() -> RequestOutput:
-        first = async_llm.add_request("dup", [1, 2, 3], long)
+        first = async_llm.add_request(RequestInput([1, 2, 3], long, request_id="dup"))
         outputs = aiter(first)
         await anext(outputs)  # running
         release = threading.Event()
         async_llm._commands.put(release.wait)  # hold the engine thread between two steps
-        refused = asyncio.ensure_future(collect(async_llm.add_request("dup", [4, 5], long)))
+        refused = asyncio.ensure_future(
+            collect(async_llm.add_request(RequestInput([4, 5], long, request_id="dup")))
+        )
         await asyncio.sleep(0.05)  # its reader waits: the engine has not refused it yet
         refused.cancel()  # the client goes away: the stream's abort is queued
         release.set()

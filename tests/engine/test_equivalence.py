@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import CONFIGS, random_prompt
 
 NEW_TOKENS = 24
@@ -120,7 +121,7 @@ def test_shared_prefixes_arriving_at_different_steps(arch, make_llm, hf_model) -
     outputs = {}
     ids = []
     for step, prompt in enumerate(prompts):
-        ids.append(engine.add_request(None, prompt, GREEDY))
+        ids.append(engine.add_request(RequestInput(prompt, GREEDY)))
         for _ in range(step + 1):
             for out in engine.step():
                 outputs[out.request_id] = out

@@ -9,6 +9,7 @@ import pytest
 import tests.engine.inproc_connector as inproc
 from pagedkv import SamplingParams
 from pagedkv.engine.kv_transfer_tracker import TransferPhase
+from pagedkv.engine.request_input import RequestInput
 from tests.engine.conftest import run
 from tests.tiny_models import random_prompt
 
@@ -91,7 +92,9 @@ def test_abort_while_loading_frees_blocks_after_the_load_ends(make_llm) -> None:
     consumer = make_llm("llama", kv_transfer_config=kv_config("kv_consumer"))
     (params,) = prefill_remotely(producer, [prompt])
     engine = consumer.llm_engine
-    rid = engine.add_request(None, prompt, GREEDY, kv_transfer_params={**params, "hang": True})
+    rid = engine.add_request(
+        RequestInput(prompt, GREEDY, kv_transfer_params={**params, "hang": True})
+    )
     engine.step()
     assert engine.kv_cache_manager.usage > 0
     engine.abort_request(rid)
@@ -106,10 +109,11 @@ def test_producer_holds_blocks_until_sent(make_llm) -> None:
     producer = make_llm("llama", kv_transfer_config=kv_config("kv_producer"))
     engine = producer.llm_engine
     engine.add_request(
-        None,
-        prompt,
-        SamplingParams(max_tokens=1),
-        kv_transfer_params={"do_remote_decode": True, "transfer_id": "held"},
+        RequestInput(
+            prompt,
+            SamplingParams(max_tokens=1),
+            kv_transfer_params={"do_remote_decode": True, "transfer_id": "held"},
+        )
     )
     outs = engine.step()
     assert outs[0].finished and outs[0].kv_transfer_params["transfer_id"] == "held"
@@ -128,8 +132,8 @@ def test_abort_after_the_load_ended_but_before_promotion_frees_at_once(make_llm)
     consumer = make_llm("llama", kv_transfer_config=kv_config("kv_consumer"), max_num_seqs=1)
     (params,) = prefill_remotely(producer, [prompt])
     engine = consumer.llm_engine
-    loaded = engine.add_request(None, prompt, GREEDY, kv_transfer_params=params)
-    engine.add_request(None, random_prompt(9, seed=7), GREEDY)
+    loaded = engine.add_request(RequestInput(prompt, GREEDY, kv_transfer_params=params))
+    engine.add_request(RequestInput(random_prompt(9, seed=7), GREEDY))
     engine.step()  # L's load starts and ends; R takes the only slot
     transfers = engine.scheduler.kv_transfers
     assert transfers.phase(loaded) is TransferPhase.LOADED
@@ -146,11 +150,17 @@ def test_an_id_whose_blocks_are_still_held_is_refused(make_llm) -> None:
     engine = producer.llm_engine
     remote = {"do_remote_decode": True, "transfer_id": "reused"}
     engine.add_request(
-        "r", random_prompt(40, seed=8), SamplingParams(max_tokens=1), kv_transfer_params=remote
+        RequestInput(
+            random_prompt(40, seed=8),
+            SamplingParams(max_tokens=1),
+            request_id="r",
+            kv_transfer_params=remote,
+        )
     )
     assert engine.step()[0].finished and engine.kv_cache_manager.usage > 0
     with pytest.raises(ValueError, match="still in use"):
-        engine.add_request("r", random_prompt(20, seed=9), GREEDY)
+        engine.add_request(RequestInput(random_prompt(20, seed=9), GREEDY, request_id="r"))
     run(engine, [])
-    engine.add_request("r", random_prompt(20, seed=9), GREEDY)  # free again once sent
+    # Free again once sent.
+    engine.add_request(RequestInput(random_prompt(20, seed=9), GREEDY, request_id="r"))
     run(engine, [])

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import CONFIGS, random_prompt
 
 MAX_TOKENS = 24
@@ -119,7 +120,8 @@ def test_caller_params_keep_their_stop_token_ids(checkpoint, make_llm_at, tmp_pa
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
     llm = make_llm_at(model_dir)
     params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[9], min_tokens=2)
-    request = llm.llm_engine.make_request(None, random_prompt(5, seed=1), params).children[0]
+    new = llm.llm_engine.make_request(RequestInput(random_prompt(5, seed=1), params))
+    request = new.children[0]
     assert request.sampling_params.stop_token_ids == [9, 6]
     assert request.sampling_params.all_stop_token_ids == {5, 6, 9}
     assert params.stop_token_ids == [9] and params.all_stop_token_ids == {9}

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.sampling_params import RequestOutputKind
 from tests.tiny_models import random_prompt
 
@@ -25,7 +26,7 @@ CUMULATIVE, DELTA, FINAL_ONLY = (
 
 def stream(engine, prompt: list[int], params: SamplingParams) -> list:
     """Every output of one request, stepping the engine until it drains (60 s at most)."""
-    request_id = engine.add_request(None, prompt, params)
+    request_id = engine.add_request(RequestInput(prompt, params))
     outputs = []
     deadline = time.monotonic() + 60
     while engine.has_unfinished_requests():
@@ -127,7 +128,7 @@ def test_final_only_gives_one_output_equal_to_the_last_cumulative_one(make_llm) 
 def test_an_aborted_final_only_request_still_ends_with_an_output(make_llm) -> None:
     engine = make_llm("llama").llm_engine
     params = SamplingParams(max_tokens=50, output_kind=FINAL_ONLY)
-    request_id = engine.add_request(None, random_prompt(10, seed=1), params)
+    request_id = engine.add_request(RequestInput(random_prompt(10, seed=1), params))
     assert engine.step() == [] and engine.step() == []
     (out,) = engine.abort_request(request_id)
     assert out.finished and out.outputs[0].finish_reason == "abort"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import random_prompt
 
 
@@ -15,7 +16,7 @@ def test_children_share_the_prompt_blocks(make_llm) -> None:
     engine = llm.llm_engine
     prompt = random_prompt(40, seed=11)  # two full 16-token blocks, then 8 tokens
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6)
-    parent = engine.add_request(None, prompt, params)
+    parent = engine.add_request(RequestInput(prompt, params))
     engine.step()
     kv = engine.kv_cache_manager
     tables = [kv.get_block_ids(f"{i}_{parent}")[0] for i in range(4)]
@@ -75,7 +76,9 @@ def test_n_with_stop_strings_finishes_children_apart(make_llm) -> None:
 def test_abort_ends_every_child(make_llm) -> None:
     llm = make_llm("llama")
     engine = llm.llm_engine
-    parent = engine.add_request(None, random_prompt(20, seed=2), SamplingParams(n=3, max_tokens=50))
+    parent = engine.add_request(
+        RequestInput(random_prompt(20, seed=2), SamplingParams(n=3, max_tokens=50))
+    )
     engine.step()
     (out,) = engine.abort_request(parent)
     assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 3

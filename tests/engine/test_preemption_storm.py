@@ -9,6 +9,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import random_prompt
 
 NUM_REQUESTS = 16
@@ -48,7 +49,7 @@ def test_a_preemption_storm_completes_every_request_exactly(make_llm, arch, num_
         arch, num_gpu_blocks_override=num_blocks, max_num_seqs=NUM_REQUESTS, max_model_len=112
     )
     engine = engine.llm_engine
-    ids = [engine.add_request(None, prompt, params) for prompt, params in requests]
+    ids = [engine.add_request(RequestInput(prompt, params)) for prompt, params in requests]
     done = {}
     deadline = time.monotonic() + 120
     while engine.has_unfinished_requests():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.tiny_models import random_prompt
 
 
@@ -151,16 +152,18 @@ def test_bad_prompts_are_rejected(make_llm) -> None:
         ([5, -1], "token ids"),
     ]:
         with pytest.raises(ValueError, match=message):
-            engine.add_request(None, prompt, SamplingParams())
+            engine.add_request(RequestInput(prompt, SamplingParams()))
     with pytest.raises(ValueError, match="cache_salt"):  # vLLM: a salt is a non-empty string
-        engine.add_request(None, [5, 6], SamplingParams(), cache_salt="")
+        engine.add_request(RequestInput([5, 6], SamplingParams(), cache_salt=""))
     assert not engine.has_unfinished_requests()
 
 
 def test_abort_frees_blocks(make_llm) -> None:
     llm = make_llm("llama")
     engine = llm.llm_engine
-    rid = engine.add_request(None, random_prompt(50, seed=3), SamplingParams(max_tokens=100))
+    rid = engine.add_request(
+        RequestInput(random_prompt(50, seed=3), SamplingParams(max_tokens=100))
+    )
     engine.step()
     engine.step()
     assert engine.kv_cache_manager.usage > 0

@@ -11,6 +11,7 @@ import pytest
 
 from pagedkv import EngineArgs, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.entrypoints.openai.serving_engine import OpenAIServing
 from pagedkv.sampling_params import RequestOutputKind
 
@@ -32,8 +33,8 @@ def test_chunks_join_into_each_choices_whole_answer(async_llm) -> None:
     streamed = dataclasses.replace(whole, output_kind=RequestOutputKind.DELTA)
 
     async def run():
-        finals = [await last(async_llm.generate(p, whole)) for p in prompts]
-        streams = [async_llm.add_request(None, p, streamed) for p in prompts]
+        finals = [await last(async_llm.generate(RequestInput(p, whole))) for p in prompts]
+        streams = [async_llm.add_request(RequestInput(p, streamed)) for p in prompts]
         return finals, [d async for d in OpenAIServing.deltas(streams, n=2)]
 
     async def last(stream):

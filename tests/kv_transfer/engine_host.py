@@ -137,6 +137,7 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
     )
     from pagedkv.engine.engine_args import EngineArgs
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.request_input import RequestInput
     from pagedkv.sampling_params import SamplingParams
 
     if hook:
@@ -165,10 +166,12 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
         with lock:
             if op == "add":
                 engine.add_request(
-                    command["request_id"],
-                    command["prompt"],
-                    SamplingParams(**command["sampling"]),
-                    kv_transfer_params=command.get("kv_transfer_params"),
+                    RequestInput(
+                        command["prompt"],
+                        SamplingParams(**command["sampling"]),
+                        request_id=command["request_id"],
+                        kv_transfer_params=command.get("kv_transfer_params"),
+                    )
                 )
                 reply: Any = True
             elif op == "poll":

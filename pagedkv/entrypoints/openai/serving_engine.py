@@ -17,8 +17,6 @@ server gives up on it is a 503.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
@@ -35,8 +33,8 @@ from pagedkv.engine.async_llm import (
     RequestAbortedError,
     RequestStream,
 )
-from pagedkv.engine.llm_engine import PromptType
 from pagedkv.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedkv.engine.request_input import PromptType, RequestInput
 from pagedkv.entrypoints.openai.errors import (
     KV_TRANSFER_ERROR,
     OpenAIError,
@@ -44,7 +42,7 @@ from pagedkv.entrypoints.openai.errors import (
     model_not_found,
 )
 from pagedkv.entrypoints.openai.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from pagedkv.entrypoints.openai.stream_merge import merge_streams
+from pagedkv.entrypoints.openai.stream_merge import final_outputs, merge_streams
 from pagedkv.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -268,17 +266,16 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams.append(
-                    self.async_llm.add_request(
-                        f"{request_id}-{uuid.uuid4().hex[:8]}",
-                        prompt,
-                        params,
-                        priority=request.priority,
-                        cache_salt=request.cache_salt,
-                        kv_transfer_params=request.kv_transfer_params,
-                        max_tokens_must_fit=True,
-                    )
+                engine_request = RequestInput(
+                    prompt,
+                    params,
+                    f"{request_id}-{uuid.uuid4().hex[:8]}",
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    kv_transfer_params=request.kv_transfer_params,
+                    max_tokens_must_fit=True,
                 )
+                streams.append(self.async_llm.add_request(engine_request))
         except (ValueError, EngineDeadError) as e:
             for stream in streams:
                 self.async_llm.abort(stream.request_id, stream)
@@ -301,7 +298,7 @@ class OpenAIServing:
             chunks = self.stream_chunks(request_id, streams, request)
             return StreamingResponse(self._sse(chunks, param_names), media_type="text/event-stream")
         try:
-            finals = await self.final_outputs(streams, raw_request)
+            finals = await final_outputs(streams, raw_request)
             if finals is None:  # the client is gone
                 return Response(status_code=499)
             for final in finals:
@@ -333,40 +330,6 @@ class OpenAIServing:
         except ENGINE_ERRORS as e:
             yield sse_error(engine_error(e, param_names))
         yield SSE_DONE
-
-    @staticmethod
-    async def final_outputs(
-        streams: list[RequestStream], raw_request: HTTPRequest
-    ) -> list[RequestOutput] | None:
-        """Each request's last output, or None if the client disconnected first (the requests
-        are aborted then: leaving a stream's iteration aborts it)."""
-
-        async def last(stream: RequestStream) -> RequestOutput:
-            final = None
-            async for output in stream:
-                final = output
-            return final
-
-        async def disconnected() -> None:
-            while (await raw_request.receive())["type"] != "http.disconnect":
-                pass
-
-        generation = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        watcher = asyncio.ensure_future(disconnected())
-        done: set[asyncio.Future] = set()
-        try:
-            done, _ = await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not generation.done():
-                # cancel() only asks: wait until the streams have left their iteration (and
-                # aborted their requests), so nothing is left to fail unobserved.
-                generation.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await generation
-        if generation in done:
-            return generation.result()
-        return None
 
     @staticmethod
     async def deltas(streams: list[RequestStream], n: int = 1) -> AsyncIterator[Delta]:

@@ -1,9 +1,13 @@
-"""Several requests' output streams as one (a batch of prompts answered in one SSE stream)."""
+"""Several requests' output streams as one: merged as outputs arrive (a batch of prompts answered
+in one SSE stream), or their final outputs together (a whole answer)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
 
 from pagedkv.engine.async_llm import RequestStream
 from pagedkv.engine.outputs import RequestOutput
@@ -45,3 +49,37 @@ async def merge_streams(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def final_outputs(
+    streams: list[RequestStream], raw_request: HTTPRequest
+) -> list[RequestOutput] | None:
+    """Each request's last output, or None if the client disconnected first (the requests
+    are aborted then: leaving a stream's iteration aborts it)."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        return final
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    generation = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    watcher = asyncio.ensure_future(disconnected())
+    done: set[asyncio.Future] = set()
+    try:
+        done, _ = await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not generation.done():
+            # cancel() only asks: wait until the streams have left their iteration (and
+            # aborted their requests), so nothing is left to fail unobserved.
+            generation.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await generation
+    if generation in done:
+        return generation.result()
+    return None

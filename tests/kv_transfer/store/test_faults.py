@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.kv_transfer.store.block_codec import block_key, decode_value
 from tests.kv_transfer.store.conftest import backend_for, store_kv_config
 from tests.kv_transfer.store.test_store_connector import GREEDY, run, token_ids
@@ -193,7 +194,7 @@ def test_a_blocked_store_never_stalls_a_step(redis_server, make_llm):
         engine = llm.llm_engine
         run(engine, [(random_prompt(20, seed=39), GREEDY, None)])  # one block: the writer sticks
         assert entered.wait(timeout=10)
-        ids = [engine.add_request(None, p, GREEDY) for p in prompts]
+        ids = [engine.add_request(RequestInput(p, GREEDY)) for p in prompts]
         done, step_times = {}, []
         deadline = time.monotonic() + 60
         while engine.has_unfinished_requests():
@@ -285,7 +286,7 @@ def test_a_load_stuck_in_the_store_ends_by_abort_or_deadline(ending, redis_serve
 
     worker.backend.get_into = stuck_get_into
     engine = b.llm_engine
-    rid = engine.add_request(None, prompt, GREEDY)
+    rid = engine.add_request(RequestInput(prompt, GREEDY))
     engine.step()  # admitted: the load's deadline is at most 0.3 s from now
     load_deadline = time.monotonic() + 0.3
     assert fetching.wait(timeout=10)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from pagedkv.engine.request_input import RequestInput
 from pagedkv.kv_transfer.store.backends import StoreError, StoreUnavailable, create_backend
 from pagedkv.kv_transfer.store.config import StoreConfig
 from tests.kv_transfer.store.conftest import (
@@ -142,7 +143,7 @@ def test_bad_mooncake_config_is_a_clear_error_at_startup(extra, message) -> None
 def run_timed(engine, prompts: list[list[int]]) -> tuple[list, float]:
     """Step ``engine`` until its requests for ``prompts`` are done: the outputs, in order, and
     the longest step."""
-    ids = [engine.add_request(None, prompt, GREEDY) for prompt in prompts]
+    ids = [engine.add_request(RequestInput(prompt, GREEDY)) for prompt in prompts]
     done, longest = {}, 0.0
     deadline = time.monotonic() + 60
     while engine.has_unfinished_requests():

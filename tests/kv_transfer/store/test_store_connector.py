@@ -8,6 +8,7 @@ import time
 import pytest
 
 from pagedkv import SamplingParams
+from pagedkv.engine.request_input import RequestInput
 from tests.engine.conftest import run
 from tests.kv_transfer.store.conftest import store_kv_config
 from tests.tiny_models import random_prompt
@@ -90,16 +91,17 @@ def test_d_waits_for_blocks_p_is_still_writing(redis_server, make_llm):
     backend.put_from = slow_put_from
     p_engine, d_engine = producer.llm_engine, consumer.llm_engine
     p_engine.add_request(
-        None,
-        prompt,
-        SamplingParams(max_tokens=1, ignore_eos=True),
-        kv_transfer_params={"do_remote_decode": True},
+        RequestInput(
+            prompt,
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            kv_transfer_params={"do_remote_decode": True},
+        )
     )
     params = None
     while params is None:
         params = next((o.kv_transfer_params for o in p_engine.step() if o.finished), None)
     assert p_engine.has_unfinished_requests()  # P still holds the blocks: its puts run
-    d_id = d_engine.add_request(None, prompt, GREEDY, kv_transfer_params=params)
+    d_id = d_engine.add_request(RequestInput(prompt, GREEDY, kv_transfer_params=params))
     out = None
     deadline = time.monotonic() + 30
     while out is None or p_engine.has_unfinished_requests():
