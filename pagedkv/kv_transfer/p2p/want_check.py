@@ -33,7 +33,8 @@ def want_size_problem(want: Want, num_groups: int, block_size: int, num_blocks: 
 
 
 def may_serve(spec: SendSpec | None, peer: PeerAddr) -> bool:
-    """Whether ``peer`` may pull this KV (None: P's request has not got to it yet)."""
+    """Whether ``peer`` may pull this KV: P's request may name the one D that may (no
+    ``spec`` yet: P's request has not reached its KV, so nobody is excluded)."""
     return spec is None or spec.expected_peer in (None, peer.engine_id)
 
 
