@@ -19,9 +19,3 @@ class SchedulerStats:
     max_batch_size: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )

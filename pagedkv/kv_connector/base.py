@@ -41,11 +41,8 @@ class KVConnectorMetadata:
     """Opaque per-step plan from the scheduler half to the worker half."""
 
 
-class KVConnectorBase(ABC):
-    """Scheduler half. Lives with the scheduler; never touches tensors."""
-
-    #: ``kv_load_failure_policy`` when the config leaves it unset.
-    default_load_failure_policy = "fail"
+class KVConnectorHalf:
+    """What both halves are built from, report and do at the end."""
 
     def __init__(
         self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
@@ -54,6 +51,21 @@ class KVConnectorBase(ABC):
         self.kv_cache_config = kv_cache_config
         #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
         self.model_fingerprint = model_fingerprint
+
+    def get_kv_connector_stats(self) -> dict[str, int | float]:
+        """Counters and gauges since start, by name (both halves' merged, exported as
+        ``pagedkv:kv_transfer_*``)."""
+        return {}
+
+    def shutdown(self) -> None:
+        return None
+
+
+class KVConnectorBase(KVConnectorHalf, ABC):
+    """Scheduler half. Lives with the scheduler; never touches tensors."""
+
+    #: ``kv_load_failure_policy`` when the config leaves it unset.
+    default_load_failure_policy = "fail"
 
     @property
     def load_failure_policy(self) -> str:
@@ -100,28 +112,19 @@ class KVConnectorBase(ABC):
         and the ``kv_transfer_params`` for the response."""
         return False, None
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
-        """This half's counters by name (merged with the worker half's for metrics)."""
-        return {}
-
     def cancel_load(self, request: ConnectorRequest) -> None:
         """Stop loading a request (aborted, or past its deadline). Its load must still end in
         ``finished_recving``, once no more bytes can land in its blocks."""
         return None
 
-    def shutdown(self) -> None:
-        return None
 
-
-class KVConnectorWorker(ABC):
+class KVConnectorWorker(KVConnectorHalf, ABC):
     """Worker half. Lives with the model runner; moves KV between its cache and elsewhere."""
 
     def __init__(
         self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
     ) -> None:
-        self.config = config
-        self.kv_cache_config = kv_cache_config
-        self.model_fingerprint = model_fingerprint
+        super().__init__(config, kv_cache_config, model_fingerprint)
         self._metadata: KVConnectorMetadata | None = None
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
@@ -163,10 +166,3 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Transfers that reached their terminal state since the last call."""
-
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
-        """Counters and gauges since start, by name (exported as ``pagedkv:kv_transfer_*``)."""
-        return {}
-
-    def shutdown(self) -> None:
-        return None

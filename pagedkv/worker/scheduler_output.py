@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedkv.kv_connector.base import KVConnectorMetadata
 from pagedkv.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     #: Requests preempted since the last step: their rows go, their sampling state stays.
     preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: object | None = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:

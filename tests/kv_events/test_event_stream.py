@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.kv_events.config import KVEventsConfig
+from pagedkv.kv_events.feed import FeedAddress
 from pagedkv.kv_events.publisher import KVEventPublisher
-from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
+from pagedkv.kv_events.subscriber import KVEventSubscriber
 from pagedkv.kv_events.wire import END_SEQ, SNAPSHOT_REQUEST
 from tests.kv_cache.helpers import Req, decode, full_spec, make_hasher, make_manager
 

@@ -30,7 +30,8 @@ from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES, Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.entrypoints.serving.draining_server import DrainingServer
-from pagedkv.kv_events.subscriber import FeedAddress, KVEventSubscriber
+from pagedkv.kv_events.feed import FeedAddress
+from pagedkv.kv_events.subscriber import KVEventSubscriber
 from pagedkv.transport.codec import SECRET_ENV
 
 logger = logging.getLogger(__name__)

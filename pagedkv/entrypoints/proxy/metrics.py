@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagedkv.kv_events.subscriber import FeedStats
+from pagedkv.kv_events.feed import FeedStats
 
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
