@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import secrets
 import time
 from http import HTTPStatus
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 import pagedkv
@@ -28,6 +27,7 @@ from pagedkv.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES
 from pagedkv.entrypoints.openai.errors import (
     OpenAIError,
     add_openai_error_handlers,
+    api_key_check,
     model_not_found,
 )
 from pagedkv.entrypoints.openai.metrics import KVTransferCollector, PrometheusStatLogger
@@ -99,16 +99,7 @@ def _v1_routes(async_llm: AsyncLLM, served_model_name: str, api_key: str | None)
     completions = OpenAIServingCompletion(async_llm, served_model_name)
     chat = OpenAIServingChat(async_llm, served_model_name)
 
-    async def check_api_key(request: Request) -> None:
-        expected = f"Bearer {api_key}".encode()
-        given = request.headers.get("Authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise OpenAIError(
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                status=HTTPStatus.UNAUTHORIZED,
-            )
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)] if api_key else [])
+    v1 = APIRouter(prefix="/v1", dependencies=api_key_check(api_key))
     card = ModelCard(
         id=served_model_name,
         root=str(async_llm.llm_engine.description.model_path),

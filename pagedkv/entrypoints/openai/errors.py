@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
 from http import HTTPStatus
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -107,3 +108,20 @@ def add_openai_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return OpenAIError(str(exc.detail), status=HTTPStatus(exc.status_code)).to_json_response()
+
+
+def api_key_check(api_key: str | None) -> list:
+    """Route dependencies that refuse a request without ``Authorization: Bearer <api_key>``
+    (a 401; none without a key)."""
+    if not api_key:
+        return []
+
+    async def check_api_key(request: Request) -> None:
+        given = request.headers.get("Authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise OpenAIError(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                status=HTTPStatus.UNAUTHORIZED,
+            )
+
+    return [Depends(check_api_key)]

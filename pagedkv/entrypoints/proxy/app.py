@@ -9,18 +9,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
-from http import HTTPStatus
 from urllib.parse import quote
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pagedkv
 from pagedkv.entrypoints.openai.body_size_limit import BodySizeLimitMiddleware
-from pagedkv.entrypoints.openai.errors import OpenAIError, add_openai_error_handlers
+from pagedkv.entrypoints.openai.errors import (
+    add_openai_error_handlers,
+    api_key_check,
+)
 from pagedkv.entrypoints.openai.protocol import VersionResponse
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
 from pagedkv.entrypoints.proxy.metrics import ProxyMetrics
@@ -98,16 +99,7 @@ def _client_api(proxy: PDProxy, subscriber: KVEventSubscriber | None) -> APIRout
     """What a client asks, behind ``--api-key``: the OpenAI endpoints and ``/instances``."""
     registry, router, api_key = proxy.registry, proxy.router, proxy.config.api_key
 
-    async def check_api_key(request: Request) -> None:
-        expected = f"Bearer {api_key}".encode()
-        given = request.headers.get("Authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise OpenAIError(
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                status=HTTPStatus.UNAUTHORIZED,
-            )
-
-    api = APIRouter(dependencies=[Depends(check_api_key)] if api_key is not None else [])
+    api = APIRouter(dependencies=api_key_check(api_key))
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
