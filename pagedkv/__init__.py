@@ -7,31 +7,25 @@ prefill/decode disaggregation.
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput"]
+#: The public API by module, imported on first use: ``import pagedkv.kv_cache`` stays free of
+#: torch and the engine.
+_EXPORTS = {
+    "LLM": "pagedkv.engine.llm",
+    "LLMEngine": "pagedkv.engine.llm_engine",
+    "AsyncLLM": "pagedkv.engine.async_llm",
+    "EngineArgs": "pagedkv.engine.engine_args",
+    "SamplingParams": "pagedkv.sampling_params",
+    "RequestInput": "pagedkv.engine.request_input",
+    "RequestOutput": "pagedkv.engine.outputs",
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    # Lazy, so that `import pagedkv.kv_cache` stays free of torch and the engine.
-    if name == "LLM":
-        from pagedkv.engine.llm import LLM
-
-        return LLM
-    if name == "LLMEngine":
-        from pagedkv.engine.llm_engine import LLMEngine
-
-        return LLMEngine
-    if name == "EngineArgs":
-        from pagedkv.engine.engine_args import EngineArgs
-
-        return EngineArgs
-    if name == "SamplingParams":
-        from pagedkv.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "RequestOutput":
-        from pagedkv.engine.outputs import RequestOutput
-
-        return RequestOutput
-    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
