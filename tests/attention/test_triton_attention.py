@@ -28,8 +28,9 @@ from pagedkv.attention import (  # noqa: E402
     reshape_and_cache,
 )
 from pagedkv.attention import triton_paged_attention as tpa  # noqa: E402
+from pagedkv.attention import triton_reshape_and_cache as trc  # noqa: E402
 
-INTERPRETED = tpa._INTERPRETED
+INTERPRETED = trc.INTERPRETED
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -240,7 +241,7 @@ def test_reshape_and_cache_matches_reference(dtype: torch.dtype) -> None:
     kv_cache = kv_cache.to(DEVICE)
     expected = kv_cache.clone()
     reshape_and_cache(key, value, expected, slot_mapping)
-    tpa.triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
+    trc.triton_reshape_and_cache(key, value, kv_cache, slot_mapping)
     assert torch.equal(kv_cache, expected)
     assert kv_cache[:, NULL_BLOCK].count_nonzero() == 0
 
@@ -268,6 +269,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedkv.attention import AttentionMetadata
 from pagedkv.attention import triton_paged_attention as tpa
+from pagedkv.attention import triton_reshape_and_cache as trc
 
 launches = []
 
@@ -280,8 +282,9 @@ class Recorder:
             launches.append((self.fn, args, constexprs, num_warps))
         return launch
 
-for name in ("_paged_attention_kernel", "_reduce_kv_splits_kernel", "_reshape_and_cache_kernel"):
-    setattr(tpa, name, Recorder(getattr(tpa, name)))
+for module, name in ((tpa, "_paged_attention_kernel"), (tpa, "_reduce_kv_splits_kernel"),
+                     (trc, "_reshape_and_cache_kernel")):
+    setattr(module, name, Recorder(getattr(module, name)))
 
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
          torch.int32: "*i32", torch.int64: "*i64"}
@@ -308,7 +311,7 @@ for dtype, head_size, window, splits, query_lens in [
         device="meta",
     )
     tpa.triton_paged_attention(query, kv_cache, metadata, 0.1, num_kv_splits=splits)
-    tpa.triton_reshape_and_cache(query[:, :8], query[:, 8:16], kv_cache, metadata.slot_mapping)
+    trc.triton_reshape_and_cache(query[:, :8], query[:, 8:16], kv_cache, metadata.slot_mapping)
 
 for fn, args, constexprs, num_warps in launches:
     signature = {name: type_of(arg) for name, arg in zip(fn.arg_names, args)}

@@ -6,11 +6,8 @@ import torch
 
 from pagedkv.attention.backends.base import AttentionBackend
 from pagedkv.attention.metadata import AttentionMetadata
-from pagedkv.attention.triton_paged_attention import (
-    check_device,
-    triton_paged_attention,
-    triton_reshape_and_cache,
-)
+from pagedkv.attention.triton_paged_attention import triton_paged_attention
+from pagedkv.attention.triton_reshape_and_cache import check_device, triton_reshape_and_cache
 
 
 class TritonAttentionBackend(AttentionBackend):
