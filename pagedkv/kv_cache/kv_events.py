@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 from pagedkv.kv_cache.block_hash import BlockHash
 
+#: The tier an event is about, in vLLM's vocabulary: the instance's own KV cache pool ("GPU",
+#: whatever its device), host memory ("CPU"), a local directory ("DISK"), a shared store
+#: ("REMOTE").
+GPU, CPU, DISK, REMOTE = "GPU", "CPU", "DISK", "REMOTE"
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -19,12 +24,14 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     group_id: int
+    medium: str = GPU
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     group_id: int
+    medium: str = GPU
 
 
 @dataclass(frozen=True, slots=True)

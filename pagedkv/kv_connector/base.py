@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
+    from pagedkv.kv_cache.kv_events import KVCacheEvent
 
 
 class KVConnectorMetadata:
@@ -116,6 +117,11 @@ class KVConnectorBase(KVConnectorHalf, ABC):
         """Stop loading a request (aborted, or past its deadline). Its load must still end in
         ``finished_recving``, once no more bytes can land in its blocks."""
         return None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events of the tiers this connector keeps (each tagged with its
+        ``medium``) since the last call; published after the pool's own."""
+        return []
 
 
 class KVConnectorWorker(KVConnectorHalf, ABC):

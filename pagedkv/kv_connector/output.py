@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,9 @@ class KVConnectorOutput:
     #: Consumer: loads whose source still computes their KV (their request is queued or in
     #: prefill there): their deadline counts from now.
     loads_in_progress: set[str] = field(default_factory=set)
+    #: A connector's own report from its worker half to its scheduler half, opaque to the
+    #: engine (the offloading connector's finished stores and bad tier entries). Plain data.
+    worker_meta: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -30,4 +34,5 @@ class KVConnectorOutput:
             or self.finished_recving
             or self.invalid_block_ids
             or self.loads_in_progress
+            or self.worker_meta is not None
         )

@@ -40,6 +40,9 @@ class ConnectorRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
 
 class ScheduledRequest(Protocol):
     req_id: str

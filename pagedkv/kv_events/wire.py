@@ -16,8 +16,9 @@ still buffered from that seq on, as ``[topic, seq, payload]``, then ``END_SEQ`` 
 frames). Our one addition: the request ``SNAPSHOT_REQUEST`` is answered with one
 ``KVCacheSnapshot``, the pool's whole prefix cache taken between two batches (``next_seq``: the
 first batch it does not include), then ``END_SEQ``. Block hashes are bytes (chained xxh3-128 or
-sha256, equal across processes: see ``kv_cache/block_hash.py``). ``medium`` is "GPU" for the
-instance's own KV cache, whatever its device (vLLM's name for that tier).
+sha256, equal across processes: see ``kv_cache/block_hash.py``). ``medium`` names the tier
+(``kv_cache/kv_events.py``): "GPU" for the instance's own KV cache whatever its device (vLLM's
+name for it), "CPU", "DISK" or "REMOTE" for the offloading connector's tiers.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import msgspec
 
 from pagedkv.kv_cache import kv_events
 
-#: The instance's own KV cache tier, in vLLM's vocabulary.
-MEDIUM = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SNAPSHOT_REQUEST = b"kv-snapshot"
 
@@ -86,12 +85,12 @@ def to_wire(event: kv_events.KVCacheEvent) -> WireEvent:
             list(event.token_ids),
             event.block_size,
             None,
-            MEDIUM,
+            event.medium,
             None,
             event.group_id,
         )
     if isinstance(event, kv_events.BlockRemoved):
-        return BlockRemoved(list(event.block_hashes), MEDIUM, event.group_id)
+        return BlockRemoved(list(event.block_hashes), event.medium, event.group_id)
     return AllBlocksCleared()
 
 
