@@ -171,14 +171,16 @@ def working_set_blocks(requests: Iterable[TraceRequest], block_size: int) -> int
 class TraceShape:
     """``make_trace``'s knobs; lengths in trace tokens (512 a hash id)."""
 
-    conversations: int = 32
+    conversations: int = 24
     turns: int = 6
-    system_blocks: int = 16
+    system_blocks: int = 8
     user_tokens: int = 6144
     output_tokens: int = 1024
-    #: Mean ms between conversation starts and between a turn and the conversation's next.
-    start_gap_ms: float = 1000.0
-    think_ms: float = 8000.0
+    #: Mean ms between conversation starts (exponential) and between a turn and the
+    #: conversation's next (uniform within 25 %: every other conversation speaks between two
+    #: turns of one, as in a busy service).
+    start_gap_ms: float = 500.0
+    think_ms: float = 20000.0
     seed: int = 0
 
 
@@ -216,7 +218,7 @@ def _conversation(
 def make_trace(shape: TraceShape) -> list[TraceRequest]:
     """``shape.conversations`` conversations of ``shape.turns`` turns, starting as a Poisson
     process; each turn resends the system prompt and the history (earlier questions and
-    answers) with a new question, an exponential think time after the previous turn.
+    answers) with a new question, a think time after the previous turn.
     Deterministic from ``shape.seed``."""
     rng, ids = random.Random(shape.seed), _HashIds()
     starts, stamp = [], 0.0

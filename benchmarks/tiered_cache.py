@@ -50,7 +50,7 @@ from trace_replay import ReplayResult, replay  # noqa: E402
 
 CASES = ("trace", "restart", "concurrent", "decode")
 QUICK_SHAPE = TraceShape(
-    conversations=8, turns=4, system_blocks=8, user_tokens=3072, output_tokens=512,
+    conversations=8, turns=4, system_blocks=4, user_tokens=3072, output_tokens=512,
     start_gap_ms=500, think_ms=6000,
 )  # fmt: skip
 
@@ -169,7 +169,7 @@ def parse_args() -> argparse.Namespace:
     for f in fields(TraceShape):
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
-    ap.add_argument("--speedup", type=float, default=10.0, help="trace time / replay time")
+    ap.add_argument("--speedup", type=float, default=8.0, help="trace time / replay time")
     ap.add_argument("--cases", default=",".join(CASES), help=f"some of {','.join(CASES)}")
     ap.add_argument("--quick", action="store_true", help="a small trace, fewer repeats")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
