@@ -103,6 +103,12 @@ class DiskStore:
                 elif name.endswith(".kv"):
                     yield path
 
+    def _is_own_key(self, key: str) -> bool:
+        """``pagedkv:<this fingerprint>:g<group>:<hash>``: a fingerprint ``a`` must not claim
+        the keys of a fingerprint ``a:b``."""
+        rest = key[len(self.key_prefix) :] if key.startswith(self.key_prefix) else ""
+        return rest.startswith("g") and rest.count(":") == 1
+
     def _own_file(self, path: Path) -> tuple[str, int, os.stat_result] | None:
         """``(key, value size its header names, stat)`` if ``path`` is a value file of this
         model where a load of its key looks; None for any other file."""
@@ -113,7 +119,7 @@ class DiskStore:
         except OSError:
             return None
         parsed = read_header(header)
-        if parsed is None or not parsed[0].startswith(self.key_prefix):
+        if parsed is None or not self._is_own_key(parsed[0]):
             return None
         key, payload_size = parsed
         if self.backend.path_of(key) != path:

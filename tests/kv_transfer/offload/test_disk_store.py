@@ -89,6 +89,8 @@ def test_scan_skips_other_models_and_garbage_and_deletes_leftovers(tmp_path: Pat
     ours = put(store, FP, range(0, 4))
     other = DiskStore(tmp_path, "another-model")
     theirs = put(other, "another-model", range(10, 12), payload=512)
+    extended = DiskStore(tmp_path, f"{FP}:v2")  # ours as a prefix: still another model
+    put(extended, f"{FP}:v2", range(20, 21))
     a_value = store.backend.path_of(next(iter(ours)))
     subdir = a_value.parent
     garbage = {
@@ -114,6 +116,7 @@ def test_scan_skips_other_models_and_garbage_and_deletes_leftovers(tmp_path: Pat
     assert not any(path.exists() for path in leftovers)
     assert all(path.exists() for path in garbage)  # not ours to delete
     assert sorted(key for key, _, _ in other.scan()) == sorted(theirs)
+    assert len(extended.scan()) == 1
     assert store.usage_bytes() == 4 * (HEADER_SIZE + PAYLOAD)
     assert other.usage_bytes() == 2 * (HEADER_SIZE + 512)
 
