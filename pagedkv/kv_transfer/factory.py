@@ -50,3 +50,8 @@ register_connector(
     "pagedkv.kv_transfer.p2p.connector:P2pConnector",
     "pagedkv.kv_transfer.p2p.worker:P2pConnectorWorker",
 )
+register_connector(
+    "OffloadingConnector",
+    "pagedkv.kv_transfer.offload.connector:OffloadingConnector",
+    "pagedkv.kv_transfer.offload.worker:OffloadingConnectorWorker",
+)

@@ -85,6 +85,22 @@ class ValueBatch:
         return values
 
 
+def read_header(header: bytes | bytearray | memoryview) -> tuple[str, int] | None:
+    """The key and payload size that a value's header names, or None if ``header`` (the first
+    ``HEADER_SIZE`` bytes of a value, or more) is not a well-formed header. Only the header is
+    checked: a value still goes through ``decode_value`` when it is loaded."""
+    view = memoryview(header).cast("B")
+    if len(view) < HEADER_SIZE:
+        return None
+    magic, version, key_len, payload_size, _ = _FIXED.unpack_from(view, 0)
+    if magic != MAGIC or version != VERSION or key_len > MAX_KEY_BYTES:
+        return None
+    try:
+        return bytes(view[_FIXED.size : _FIXED.size + key_len]).decode(), payload_size
+    except UnicodeDecodeError:
+        return None
+
+
 def decode_value(key: str, value: bytes | bytearray | memoryview, payload_size: int) -> memoryview:
     """The payload of ``value`` (no copy), after checking it is the value of ``key``."""
     view = memoryview(value).cast("B")

@@ -7,6 +7,8 @@ the rest into one reused buffer and writes them with one ``put_from`` (rows of t
 
 A finished request whose blocks were held (``await_flush``) is reported by ``take_flushed``
 once every job it had queued has ended (stored, skipped or failed), or at its deadline.
+``on_stored`` (optional) hears each batch's outcome: its keys, and whether they are now in the
+store. ``submit_delete`` queues keys to delete behind the puts already queued.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +51,11 @@ class PutJob:
         return len(self.keys) * self.layout.payload_size
 
 
+@dataclass(slots=True)
+class DeleteJob:
+    keys: list[str]
+
+
 class BlockWriter:
     def __init__(
         self,
@@ -55,8 +63,10 @@ class BlockWriter:
         stats: StoreStats,
         recent_keys: RecentKeys,
         max_queued_bytes: int,
+        on_stored: Callable[[list[str], bool], None] | None = None,
     ) -> None:
         self.backend = backend
+        self.on_stored = on_stored
         self.stats = stats
         self.recent_keys = recent_keys
         self.max_queued_bytes = max_queued_bytes
@@ -67,7 +77,9 @@ class BlockWriter:
         #: Finished requests waiting for their jobs: request id -> deadline (monotonic).
         self._flush_deadlines: dict[str, float] = {}
         self._buffer: np.ndarray | None = None
-        self._queue: queue.SimpleQueue[PutJob | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[PutJob | DeleteJob | threading.Event | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="pagedkv-store-writer", daemon=True)
         self._thread.start()
 
@@ -81,6 +93,15 @@ class BlockWriter:
             for req_id in job.req_ids:
                 self._num_jobs[req_id] = self._num_jobs.get(req_id, 0) + 1
         self._queue.put(job)
+
+    def submit_delete(self, keys: list[str]) -> None:
+        self._queue.put(DeleteJob(keys))
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every job queued before this call has ended; False on timeout."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_s)
 
     def await_flush(self, req_id: str, timeout_s: float) -> None:
         with self._lock:
@@ -105,10 +126,18 @@ class BlockWriter:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            if isinstance(job, DeleteJob):
+                self._delete(job.keys)
+                continue
             try:
                 self.store(job)
             except Exception:  # a bug here must not kill the thread and strand held blocks
                 logger.exception("store writer: unexpected error")
+                if self.on_stored is not None:  # the keys not reported yet end as not stored
+                    self.on_stored(job.keys, False)
             finally:
                 with self._lock:
                     self._queued_bytes -= job.nbytes
@@ -149,8 +178,19 @@ class BlockWriter:
         except StoreError as e:
             stats.num_put_failures += len(keys)
             _failures.warning("put", "store: %d blocks not stored: %s", len(keys), e)
+            if self.on_stored is not None:
+                self.on_stored(keys, False)
             return
         self.recent_keys.add_many(keys)
+        if self.on_stored is not None:
+            self.on_stored(keys, True)
+
+    def _delete(self, keys: list[str]) -> None:
+        self.recent_keys.discard_many(keys)
+        try:
+            self.backend.delete_many(keys)
+        except StoreError as e:
+            _failures.warning("delete", "store: %d values not deleted: %s", len(keys), e)
 
     def _storage(self, payload_size: int) -> np.ndarray:
         """The reused encode buffer, sized for a whole batch of the largest values seen so far,

@@ -14,6 +14,7 @@ from pagedkv.kv_transfer.store.block_codec import (
     ValueBatch,
     block_key,
     decode_value,
+    read_header,
 )
 
 KEYS = ["pagedkv:fp:g0:aa", "pagedkv:fp:g1:bb"]
@@ -77,3 +78,14 @@ def test_a_value_read_under_another_key_or_layout_is_rejected() -> None:
 def test_overlong_keys_are_refused() -> None:
     with pytest.raises(ValueError, match="longer than"):
         ValueBatch(1, 8).seal(["k" * (MAX_KEY_BYTES + 1)])
+
+
+def test_read_header_names_key_and_payload_size_of_well_formed_headers_only() -> None:
+    _, values = sealed()
+    assert read_header(values[0][:HEADER_SIZE]) == (KEYS[0], PAYLOAD)
+    assert read_header(values[1]) == (KEYS[1], PAYLOAD)
+    assert read_header(values[0][: HEADER_SIZE - 1]) is None
+    assert read_header(_set(values[0], 0, b"XKVB")) is None
+    assert read_header(_set(values[0], 4, bytes([9]))) is None
+    assert read_header(_set(values[0], 6, struct.pack("<H", MAX_KEY_BYTES + 1))) is None
+    assert read_header(_set(values[0], 24, b"\xff")) is None  # not UTF-8
