@@ -46,7 +46,7 @@ sys.path.insert(1, str(HERE.parent))
 from mooncake_trace import TraceShape, make_trace, read_trace, write_trace  # noqa: E402
 from tiered_cases import median_ms, run_concurrent, run_decode, run_restart  # noqa: E402
 from tiered_setup import ModelShape, Setup, build_model  # noqa: E402
-from trace_replay import ReplayResult, replay  # noqa: E402
+from trace_replay import ReplayResult, Summary, replay  # noqa: E402
 
 CASES = ("trace", "restart", "concurrent", "decode")
 QUICK_SHAPE = TraceShape(
@@ -55,50 +55,58 @@ QUICK_SHAPE = TraceShape(
 )  # fmt: skip
 
 
-def run_configs(setup: Setup) -> dict[str, ReplayResult]:
-    """The whole trace once per configuration, each on a fresh engine."""
-    results = {}
-    with tempfile.TemporaryDirectory() as disk:
-        configs = {
-            "device-only": None,
-            "+ host": setup.tiers(setup.working_set),
-            "+ host + disk": setup.tiers(setup.working_set // 3, disk, setup.working_set),
-        }
-        for name, config in configs.items():
-            engine = setup.engine(config)
-            results[name] = replay(engine, setup.requests, setup.tokens, setup.speedup)
-            stats = engine.get_kv_connector_stats()
-            engine.shutdown()
-            tiers = {k: v for k, v in stats.items() if "hit_tokens" in k and v}
-            print(f"  {name}: done in {results[name].wall_s:.1f} s {tiers or ''}", flush=True)
-    return results
+def run_configs(setup: Setup, repeats: int) -> dict[str, Summary]:
+    """The whole trace once per configuration and repeat, each on a fresh engine, the
+    configurations taking turns (so that each meets the same machine)."""
+    results: dict[str, list[ReplayResult]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for repeat in range(repeats):
+            disk = f"{root}/disk{repeat}"
+            configs = {
+                "device-only": None,
+                "+ host": setup.tiers(setup.working_set),
+                "+ host + disk": setup.tiers(setup.working_set // 3, disk, setup.working_set),
+            }
+            for name, config in configs.items():
+                engine = setup.engine(config)
+                result = replay(engine, setup.requests, setup.tokens, setup.speedup)
+                results.setdefault(name, []).append(result)
+                stats = engine.get_kv_connector_stats()
+                engine.shutdown()
+                tiers = {k: v for k, v in stats.items() if "hit_tokens" in k and v}
+                print(f"  {name}: done in {result.wall_s:.1f} s {tiers or ''}", flush=True)
+    return {name: Summary.of(runs) for name, runs in results.items()}
 
 
-def row(name: str, result: ReplayResult, oracle_rate: float) -> str:
+def row(name: str, summary: Summary, oracle_rate: float) -> str:
     return (
-        f"  {name:<28} {result.hit_rate:>8.3f} {result.hit_rate / oracle_rate:>7.2f} "
-        f"{result.ttft_percentile(50) * 1e3:>9.1f} {result.ttft_percentile(99) * 1e3:>9.1f} "
-        f"{result.throughput:>9.0f}"
+        f"  {name:<28} {summary.hit_rate:>8.3f} {summary.hit_rate / oracle_rate:>7.2f} "
+        f"{summary.ttft_p50 * 1e3:>9.1f} {summary.ttft_p99 * 1e3:>9.1f} "
+        f"{summary.throughput:>9.0f}"
     )
 
 
-def print_table(setup: Setup, results: dict[str, ReplayResult], restart) -> None:
+def print_table(setup: Setup, results: dict[str, Summary], restart) -> None:
     total = sum(len(setup.tokens.prompt(r)) for r in setup.requests)
     oracle_rate = sum(setup.oracle) / total
     print(
         f"\n  {'':<28} {'hit rate':>8} {'/oracle':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>9}"
     )
     print(f"  {'oracle (infinite cache)':<28} {oracle_rate:>8.3f} {1:>7.2f}")
-    for name, result in results.items():
-        print(row(name, result, oracle_rate))
+    for name, summary in results.items():
+        print(row(name, summary, oracle_rate))
     if restart is not None:
         half = len(setup.requests) // 2
         second = setup.requests[half:]
         second_rate = sum(setup.oracle[half:]) / sum(len(setup.tokens.prompt(r)) for r in second)
         print(f"  second half after a restart: oracle hit rate {second_rate:.3f}")
-        print(row("restart, no tiers", restart.cold, second_rate))
-        print(row("restart, host + disk", restart.disk, second_rate))
-    print("  (TTFT in ms; /oracle: the hit rate over the oracle's on the same requests)")
+        print(row("restart, no tiers", Summary.of([restart.cold]), second_rate))
+        print(row("restart, host + disk", Summary.of([restart.disk]), second_rate))
+    runs = max((s.runs for s in results.values()), default=1)
+    print(
+        f"  (TTFT in ms; /oracle: the hit rate over the oracle's on the same requests; "
+        f"medians of {runs} replays)"
+    )
 
 
 def verdict(name: str, value: float, target: float, at_most: bool, unit: str = "x") -> dict:
@@ -112,7 +120,8 @@ def print_targets(setup: Setup, results: dict, restart, concurrent, decode) -> l
     print("\nTargets")
     out = []
     if results:
-        oracle_rate = sum(setup.oracle) / sum(results["device-only"].prompt_tokens)
+        total = sum(len(setup.tokens.prompt(r)) for r in setup.requests)
+        oracle_rate = sum(setup.oracle) / total
         host, device = results["+ host"], results["device-only"]
         out.append(
             verdict("hit rate, + host / oracle", host.hit_rate / oracle_rate, 0.9, False, "")
@@ -120,7 +129,7 @@ def print_targets(setup: Setup, results: dict, restart, concurrent, decode) -> l
         out.append(
             verdict("hit rate, + host / device-only", host.hit_rate / device.hit_rate, 2, False)
         )
-        ttft = host.ttft_percentile(50) / device.ttft_percentile(50)
+        ttft = host.ttft_p50 / device.ttft_p50
         out.append(verdict("TTFT p50, + host / device-only", ttft, 0.6, True))
     if restart is not None:
         ratio = median_ms(restart.returning_disk) / median_ms(restart.returning_recompute)
@@ -152,7 +161,8 @@ def print_details(restart, concurrent, decode) -> None:
             f"Same {concurrent.prefix_tokens}-token prefix from the host tier: one alone "
             f"{median_ms(concurrent.alone):.1f} ms, p99 of {together} "
             f"together {median_ms(concurrent.together_p99):.1f} ms (medians of "
-            f"{len(concurrent.alone)}); hit tokens {sorted(set(concurrent.hit_tokens))}"
+            f"{len(concurrent.alone)}); hit tokens {sorted(set(concurrent.hit_tokens))}; p99 "
+            f"with the prefix in the pool {median_ms(concurrent.pooled_p99):.1f} ms"
         )
     if decode is not None:
         print(
@@ -170,6 +180,7 @@ def parse_args() -> argparse.Namespace:
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     ap.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
     ap.add_argument("--speedup", type=float, default=8.0, help="trace time / replay time")
+    ap.add_argument("--repeats", type=int, default=2, help="replays per configuration")
     ap.add_argument("--cases", default=",".join(CASES), help=f"some of {','.join(CASES)}")
     ap.add_argument("--quick", action="store_true", help="a small trace, fewer repeats")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -210,7 +221,7 @@ def main() -> None:
             f"speedup {setup.speedup}",
             flush=True,
         )
-        results = run_configs(setup) if "trace" in cases else {}
+        results = run_configs(setup, 1 if args.quick else args.repeats) if "trace" in cases else {}
         restart = run_restart(setup, 3 if args.quick else 8) if "restart" in cases else None
         concurrent = None
         if "concurrent" in cases:
@@ -225,7 +236,7 @@ def main() -> None:
     verdicts = print_targets(setup, results, restart, concurrent, decode)
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if args.json:
-        figures = {name: asdict(r) for name, r in results.items()}
+        figures = {name: asdict(s) for name, s in results.items()}
         Path(args.json).write_text(json.dumps(dict(configs=figures, targets=verdicts), indent=1))
 
 

@@ -87,19 +87,30 @@ class ConcurrentResult:
     prefix_tokens: int
     alone: list[float]
     together_p99: list[float]
+    #: The same together with the prefix in the pool: their compute alone, no load.
+    pooled_p99: list[float]
     hit_tokens: list[int]
+
+
+def _p99_ttft(engine, prompts: list[list[int]]) -> tuple[float, list[int]]:
+    """Submit ``prompts`` at once: the p99 of their TTFTs, and their hit tokens."""
+    outs = run_together(engine, prompts)
+    ttfts = sorted(out.metrics.time_to_first_token for out in outs)
+    p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+    return p99, [out.num_cached_tokens for out in outs]
 
 
 def run_concurrent(setup: Setup, concurrency: int, prefix_tokens: int, repeats: int):
     """``concurrency`` requests sharing a ``prefix_tokens`` prefix that only the host tier
-    holds (the pool emptied), submitted at once, against one such request alone."""
+    holds (the pool emptied), submitted at once, against one such request alone; and as
+    many again with the prefix in the pool (their compute, without a load)."""
     prefix_blocks = prefix_tokens // setup.block_size
     prefix = setup.random_prompt(prefix_blocks * setup.block_size, seed=0)
     pool = (concurrency + 2) * (prefix_blocks + 2)  # room even if no load is shared
     engine = setup.engine(setup.tiers(4 * prefix_blocks), pool_blocks=pool)
     run_together(engine, [prefix + setup.random_prompt(8, seed=1)])
     settle(engine)
-    result = ConcurrentResult(prefix_tokens, [], [], [])
+    result = ConcurrentResult(prefix_tokens, [], [], [], [])
     for repeat in range(repeats):
         seed = 100 + repeat * (concurrency + 1)
         ttft, hit = ttft_alone(engine, prefix + setup.random_prompt(8, seed))
@@ -107,10 +118,13 @@ def run_concurrent(setup: Setup, concurrency: int, prefix_tokens: int, repeats: 
         result.hit_tokens.append(hit)
         engine.reset_prefix_cache()
         prompts = [prefix + setup.random_prompt(8, seed + 1 + i) for i in range(concurrency)]
-        outs = run_together(engine, prompts)
-        ttfts = sorted(out.metrics.time_to_first_token for out in outs)
-        result.together_p99.append(ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))])
-        result.hit_tokens.extend(out.num_cached_tokens for out in outs)
+        p99, hits = _p99_ttft(engine, prompts)
+        result.together_p99.append(p99)
+        result.hit_tokens.extend(hits)
+        prompts = [
+            prefix + setup.random_prompt(8, 1_000_000 + seed + i) for i in range(concurrency)
+        ]
+        result.pooled_p99.append(_p99_ttft(engine, prompts)[0])
     engine.shutdown()
     return result
 

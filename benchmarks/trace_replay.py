@@ -40,6 +40,30 @@ class ReplayResult:
         return percentile(self.ttfts, q)
 
 
+@dataclass(frozen=True)
+class Summary:
+    """Medians over repeated replays of one configuration (TTFT in seconds)."""
+
+    runs: int
+    hit_rate: float
+    ttft_p50: float
+    ttft_p99: float
+    throughput: float
+
+    @classmethod
+    def of(cls, results: Sequence[ReplayResult]) -> Summary:
+        def median(metric) -> float:
+            return statistics.median(metric(r) for r in results)
+
+        return cls(
+            runs=len(results),
+            hit_rate=median(lambda r: r.hit_rate),
+            ttft_p50=median(lambda r: r.ttft_percentile(50)),
+            ttft_p99=median(lambda r: r.ttft_percentile(99)),
+            throughput=median(lambda r: r.throughput),
+        )
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100), linear between the two nearest ranks."""
     if len(values) == 1:
