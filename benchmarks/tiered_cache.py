@@ -82,7 +82,7 @@ def row(name: str, summary: Summary, oracle_rate: float) -> str:
     return (
         f"  {name:<28} {summary.hit_rate:>8.3f} {summary.hit_rate / oracle_rate:>7.2f} "
         f"{summary.ttft_p50 * 1e3:>9.1f} {summary.ttft_p99 * 1e3:>9.1f} "
-        f"{summary.throughput:>9.0f}"
+        f"{summary.throughput:>9.0f} {summary.cpu_s:>7.1f}"
     )
 
 

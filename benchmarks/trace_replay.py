@@ -25,6 +25,9 @@ class ReplayResult:
     hit_tokens: list[int] = field(default_factory=list)
     output_tokens: int = 0
     wall_s: float = 0.0
+    #: CPU seconds of this process (every thread) over the replay: less sensitive to a
+    #: shared machine than wall time.
+    cpu_s: float = 0.0
     decode_steps: list[float] = field(default_factory=list)
 
     @property
@@ -49,6 +52,7 @@ class Summary:
     ttft_p50: float
     ttft_p99: float
     throughput: float
+    cpu_s: float
 
     @classmethod
     def of(cls, results: Sequence[ReplayResult]) -> Summary:
@@ -61,6 +65,7 @@ class Summary:
             ttft_p50=median(lambda r: r.ttft_percentile(50)),
             ttft_p99=median(lambda r: r.ttft_percentile(99)),
             throughput=median(lambda r: r.throughput),
+            cpu_s=median(lambda r: r.cpu_s),
         )
 
 
@@ -106,7 +111,7 @@ def replay(
     """Requests arrive at ``timestamp / speedup`` (the first at once); returns once all end."""
     timer, result = StepTimer(engine), ReplayResult()
     origin = requests[0].timestamp
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     due = [start + (r.timestamp - origin) / 1000 / speedup for r in requests]
     pending: dict[str, int] = {}
     ttfts: dict[int, float] = {}
@@ -134,6 +139,7 @@ def replay(
                 result.output_tokens += len(out.outputs[0].token_ids)
                 del pending[out.request_id]
     result.wall_s = time.monotonic() - start
+    result.cpu_s = time.process_time() - cpu_start
     result.ttfts = [ttfts[i] for i in range(len(requests))]
     result.decode_steps = timer.decode_steps
     return result
