@@ -58,20 +58,23 @@ def run_restart(setup: Setup, returning: int) -> RestartResult:
     with tempfile.TemporaryDirectory() as root:
         disk, snapshot = f"{root}/disk", f"{root}/snapshot"
         config = setup.tiers(setup.working_set // 3, disk, setup.working_set)
+        setup.wait_for_quiet()
         engine = setup.engine(config)
         replay(engine, first, setup.tokens, setup.speedup)
         settle(engine)
         engine.shutdown()
         shutil.copytree(disk, snapshot)
+        setup.wait_for_quiet()
         engine = setup.engine(config)
         disk_result = replay(engine, second, setup.tokens, setup.speedup)
         engine.shutdown()
+        setup.wait_for_quiet()
         cold = setup.engine()
         cold_result = replay(cold, second, setup.tokens, setup.speedup)
         probes = returning_requests(first, second, setup.block_size, returning)
         loaded = setup.engine(setup.tiers(setup.working_set // 3, snapshot, setup.working_set))
         from_disk, recompute, hits = [], [], []
-        for request in probes:
+        for request in probes:  # loaded and recomputed in turn, meeting the same machine
             prompt = setup.tokens.prompt(request)
             ttft, hit = ttft_alone(loaded, prompt)
             from_disk.append(ttft)
@@ -113,6 +116,7 @@ def run_concurrent(setup: Setup, concurrency: int, prefix_tokens: int, repeats: 
     result = ConcurrentResult(prefix_tokens, [], [], [], [])
     for repeat in range(repeats):
         seed = 100 + repeat * (concurrency + 1)
+        setup.wait_for_quiet()
         ttft, hit = ttft_alone(engine, prefix + setup.random_prompt(8, seed))
         result.alone.append(ttft)
         result.hit_tokens.append(hit)

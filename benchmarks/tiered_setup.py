@@ -17,6 +17,7 @@ from mooncake_trace import (
     scaled,
     working_set_blocks,
 )
+from quiet_machine import wait_for_quiet
 
 GIB = 1 << 30
 #: Room per block for what a tier keeps beside the KV bytes (the store codec's header).
@@ -65,6 +66,8 @@ class Setup:
     working_set: int
     pool_blocks: int
     oracle: list[int]
+    quiet_threshold: float = 1.0
+    max_wait_s: float = 0.0
     block_bytes: int = 0
 
     @classmethod
@@ -88,7 +91,13 @@ class Setup:
             working_set=working_set,
             pool_blocks=pool,
             oracle=oracle_hit_tokens(requests, block_size),
+            quiet_threshold=args.quiet_threshold,
+            max_wait_s=args.max_wait,
         )
+
+    def wait_for_quiet(self) -> None:
+        """Before a timed run: until others use under ``quiet_threshold`` of the machine."""
+        wait_for_quiet(self.quiet_threshold, self.max_wait_s)
 
     @property
     def block_size(self) -> int:

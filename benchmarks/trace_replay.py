@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mooncake_trace import BlockTokens, TraceRequest, scaled
+from quiet_machine import OthersMeter
 
 from pagedkv import SamplingParams
 from pagedkv.engine.request_input import RequestInput
@@ -28,6 +29,8 @@ class ReplayResult:
     #: CPU seconds of this process (every thread) over the replay: less sensitive to a
     #: shared machine than wall time.
     cpu_s: float = 0.0
+    #: The share of the machine other processes used meanwhile.
+    others_share: float = 0.0
     decode_steps: list[float] = field(default_factory=list)
 
     @property
@@ -53,6 +56,7 @@ class Summary:
     ttft_p99: float
     throughput: float
     cpu_s: float
+    others_share: float
 
     @classmethod
     def of(cls, results: Sequence[ReplayResult]) -> Summary:
@@ -66,6 +70,7 @@ class Summary:
             ttft_p99=median(lambda r: r.ttft_percentile(99)),
             throughput=median(lambda r: r.throughput),
             cpu_s=median(lambda r: r.cpu_s),
+            others_share=median(lambda r: r.others_share),
         )
 
 
@@ -109,6 +114,15 @@ def replay(
     engine, requests: Sequence[TraceRequest], tokens: BlockTokens, speedup: float
 ) -> ReplayResult:
     """Requests arrive at ``timestamp / speedup`` (the first at once); returns once all end."""
+    with OthersMeter() as others:
+        result = _replay(engine, requests, tokens, speedup)
+    result.others_share = others.share
+    return result
+
+
+def _replay(
+    engine, requests: Sequence[TraceRequest], tokens: BlockTokens, speedup: float
+) -> ReplayResult:
     timer, result = StepTimer(engine), ReplayResult()
     origin = requests[0].timestamp
     start, cpu_start = time.monotonic(), time.process_time()
