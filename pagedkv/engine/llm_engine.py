@@ -28,6 +28,7 @@ from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
@@ -360,10 +361,10 @@ class LLMEngine:
         self.publish_kv_events()
         return reset
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
+    def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
         """Both halves' KV connector counters (exported as ``pagedkv:kv_transfer_*``). Read
         from any thread: each counter is a plain number with one writer."""
-        stats: dict[str, int | float] = {}
+        stats: dict[str, int | float | HistogramStat] = {}
         for half in (self.scheduler.connector, self.model_runner.kv_connector):
             if half is not None:
                 stats.update(half.get_kv_connector_stats())

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_connector.protocols import (
     ConnectorRequest,
@@ -53,9 +54,9 @@ class KVConnectorHalf:
         #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
         self.model_fingerprint = model_fingerprint
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
-        """Counters and gauges since start, by name (both halves' merged, exported as
-        ``pagedkv:kv_transfer_*``)."""
+    def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
+        """Counters (``num_*``), gauges and histograms since start, by name (both halves'
+        merged, exported as ``pagedkv:kv_transfer_*``)."""
         return {}
 
     def shutdown(self) -> None:
