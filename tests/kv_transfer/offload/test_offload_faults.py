@@ -97,19 +97,6 @@ def remote_tier(url: str) -> dict:
     return {"medium": "remote", "store_url": url, "timeout_s": 0.3, "connect_timeout_s": 0.3}
 
 
-def test_a_remote_tier_shared_by_two_instances(make_llm, redis_server):
-    want = tokens(generate_each(make_llm("llama", **SMALL_POOL), PROMPTS))
-    config = offloading(remote_tier(redis_server.url))
-    writer = make_llm("llama", **SMALL_POOL, kv_transfer_config=config)
-    generate_each(writer, PROMPTS)
-    assert_tiers_idle(writer)
-    reader = make_llm("llama", **SMALL_POOL, kv_transfer_config=config)
-    outputs = generate_each(reader, PROMPTS)
-    assert tokens(outputs) == want
-    assert [o.num_cached_tokens for o in outputs] == [96] * 6
-    assert reader.llm_engine.get_kv_connector_stats()["num_offload_remote_hit_tokens"] == 6 * 96
-
-
 def test_a_stalled_then_vanished_remote_tier_is_a_miss(make_llm, redis_server):
     want = tokens(generate_each(make_llm("llama", **SMALL_POOL), PROMPTS + OTHERS))
     config = offloading(remote_tier(redis_server.url))
