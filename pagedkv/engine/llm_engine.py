@@ -164,12 +164,14 @@ class LLMEngine:
         self.model_runner.warm_up()
 
     def _init_kv_connector(self, model_fingerprint: str) -> KVConnectorBase | None:
-        """The KV connector's scheduler half (``--kv-transfer-config``); its worker half goes
-        to the model runner."""
+        """The KV connector's scheduler half (``--kv-transfer-config``, ``--kv-offloading-size``
+        or both: ``EngineArgs.effective_kv_transfer_config``); its worker half goes to the
+        model runner."""
         self.kv_transfer_config = None
-        if self.args.kv_transfer_config is None:
+        config = self.args.effective_kv_transfer_config()
+        if config is None:
             return None
-        self.kv_transfer_config = KVTransferConfig.from_dict(self.args.kv_transfer_config)
+        self.kv_transfer_config = KVTransferConfig.from_dict(config)
         connector, connector_worker = create_connector(
             self.kv_transfer_config, self.kv_cache_config, model_fingerprint
         )
