@@ -240,8 +240,9 @@ class EngineArgs:
 
     def effective_kv_transfer_config(self) -> dict | None:
         """The KV connector the engine runs: ``kv_transfer_config``, an OffloadingConnector
-        for ``kv_offloading_size`` (a host tier), or both under a MultiConnector (the user's
-        connector first, as vLLM composes them)."""
+        for ``kv_offloading_size`` (a host tier), or both under a MultiConnector: the tiers
+        first, so that a request loads what its tiers hold and the rest from the user's
+        connector (P2P: from P)."""
         if self.kv_offloading_size is None:
             return self.kv_transfer_config
         offloading = {
@@ -256,12 +257,12 @@ class EngineArgs:
             return offloading
         if user.get("kv_connector") == "MultiConnector":  # one more child
             children = (user.get("kv_connector_extra_config") or {}).get("connectors")
-            extra = {"connectors": [*(children or []), offloading]}
+            extra = {"connectors": [offloading, *(children or [])]}
             return {**user, "kv_connector_extra_config": extra}
         multi = {"kv_connector": "MultiConnector", "kv_role": user.get("kv_role")}
         if "engine_id" in user:
             multi["engine_id"] = user["engine_id"]
-        return {**multi, "kv_connector_extra_config": {"connectors": [user, offloading]}}
+        return {**multi, "kv_connector_extra_config": {"connectors": [offloading, user]}}
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:

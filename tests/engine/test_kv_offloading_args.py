@@ -28,7 +28,7 @@ def test_the_offloading_size_alone_is_an_offloading_connector_with_a_host_tier()
     assert EngineArgs(kv_offloading_size=2.5).effective_kv_transfer_config() == OFFLOADING
 
 
-def test_both_compose_under_a_multi_connector_the_users_connector_first() -> None:
+def test_both_compose_under_a_multi_connector_the_tiers_first() -> None:
     args = EngineArgs(kv_transfer_config={**P2P, "engine_id": "D-0"}, kv_offloading_size=2.5)
     config = KVTransferConfig.from_dict(args.effective_kv_transfer_config())
     assert (config.kv_connector, config.kv_role, config.engine_id) == (
@@ -36,7 +36,7 @@ def test_both_compose_under_a_multi_connector_the_users_connector_first() -> Non
         "kv_consumer",
         "D-0",
     )
-    p2p, offloading = child_configs(config)
+    offloading, p2p = child_configs(config)
     assert (p2p.kv_connector, p2p.kv_role, p2p.kv_port, p2p.engine_id) == (
         "P2pConnector",
         "kv_consumer",
@@ -51,7 +51,7 @@ def test_both_compose_under_a_multi_connector_the_users_connector_first() -> Non
     assert offloading.kv_connector_extra_config == OFFLOADING["kv_connector_extra_config"]
 
 
-def test_a_users_multi_connector_gets_the_offloading_connector_as_its_last_child() -> None:
+def test_a_users_multi_connector_gets_the_offloading_connector_as_its_first_child() -> None:
     user = {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
@@ -59,7 +59,7 @@ def test_a_users_multi_connector_gets_the_offloading_connector_as_its_last_child
     }
     config = EngineArgs(kv_transfer_config=user, kv_offloading_size=2.5)
     effective = config.effective_kv_transfer_config()
-    assert effective["kv_connector_extra_config"]["connectors"] == [P2P, OFFLOADING]
+    assert effective["kv_connector_extra_config"]["connectors"] == [OFFLOADING, P2P]
     assert user["kv_connector_extra_config"]["connectors"] == [P2P]  # left as it was
 
 

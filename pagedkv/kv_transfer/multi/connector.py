@@ -2,14 +2,16 @@
 
 Semantics (vLLM's MultiConnector's, plus what this engine's contract asks):
 
-- Load: the children are asked in order; the first that has external tokens for a request
-  loads it, alone (the others get ``update_state_after_alloc`` with 0 tokens, and see the
-  request as one without a load). A child that answers "not known yet" (None) before that one
-  makes the MultiConnector answer None. So on D, ``MultiConnector(P2P, offloading)`` loads a
-  request P2P transfers over P2P, and any other request from the tiers.
-- Failed loads: ``load_failure_policy_for`` is the loading child's (P2P "fail", a cache
-  "recompute"); for a request no child loads, the MultiConnector's own (config, or "fail").
-  ``load_timeout`` is the longest of the children's.
+- Load: the children are asked in order, each from where the ones before it stop: a child
+  that has external tokens for a request loads them, and the next is asked from their end.
+  So on D, ``MultiConnector(offloading, P2P)`` loads a shared prefix from its own tiers and
+  the rest from P; on P, the tiers' prefix before computing. Several children load one request
+  only while each load is asynchronous (a synchronous load is a request's only one). A child
+  that answers "not known yet" (None) makes the MultiConnector answer None.
+- Failed loads: ``load_failure_policy_for`` is the loading children's: ``recompute`` if any of
+  them recomputes (a cache's miss never fails a request), else ``fail``; for a request no child
+  loads, the MultiConnector's own (config, or "fail"). ``load_timeout`` is the longest of the
+  children's.
 - Save: every child sees every request. A finished request whose blocks two children hold is
   reported in ``finished_sending`` only once both have (``MultiConnectorMetadata.holders``,
   counted by the worker half).
@@ -51,18 +53,22 @@ class MultiConnector(KVConnectorBase):
         self.connectors: list[KVConnectorBase] = build_children(
             create_scheduler_connector, configs, kv_cache_config, model_fingerprint
         )
-        #: Request id -> position of the child that loads it (until the request ends).
-        self._loader: dict[str, int] = {}
+        #: Request id -> (position, tokens) of each child that loads it, in order (until the
+        #: request ends).
+        self._loaders: dict[str, list[tuple[int, int]]] = {}
+        #: This step's admitted requests loaded by two children or more.
+        self._shared_loads: dict[str, tuple[int, ...]] = {}
         #: This step's finished requests held by two children or more.
         self._holders: dict[str, tuple[int, ...]] = {}
 
-    def _loading_child(self, request: ConnectorRequest) -> KVConnectorBase | None:
-        position = self._loader.get(request.request_id)
-        return None if position is None else self.connectors[position]
+    def _loading_children(self, request: ConnectorRequest) -> list[KVConnectorBase]:
+        return [self.connectors[p] for p, _ in self._loaders.get(request.request_id, ())]
 
     def load_failure_policy_for(self, request: ConnectorRequest) -> str:
-        child = self._loading_child(request)
-        return self.load_failure_policy if child is None else child.load_failure_policy_for(request)
+        policies = {c.load_failure_policy_for(request) for c in self._loading_children(request)}
+        if not policies:
+            return self.load_failure_policy
+        return "recompute" if "recompute" in policies else "fail"
 
     @property
     def load_timeout(self) -> float:
@@ -79,28 +85,46 @@ class MultiConnector(KVConnectorBase):
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._loader.pop(request.request_id, None)
+        loaders: list[tuple[int, int]] = []
+        total, load_async = 0, False
         for position, child in enumerate(self.connectors):
-            num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            num_tokens, child_async = child.get_num_new_matched_tokens(
+                request, num_computed_tokens + total
+            )
             if num_tokens is None:
+                self._loaders.pop(request.request_id, None)
                 return None, False
-            if num_tokens > 0:
-                self._loader[request.request_id] = position
-                return num_tokens, load_async
-        return 0, False
+            if num_tokens == 0:
+                continue
+            if loaders and not (load_async and child_async):
+                break  # a synchronous load is a request's only one
+            loaders.append((position, num_tokens))
+            total, load_async = total + num_tokens, child_async
+            if not child_async:
+                break
+        self._loaders[request.request_id] = loaders
+        return total, load_async
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        loader = self._loader.get(request.request_id)
+        """Each loading child gets its own tokens (a lone loader: the tracker's count, which
+        caps a synchronous load before the last prompt token); the others 0."""
+        loaders = self._loaders.get(request.request_id, []) if num_external_tokens else []
+        tokens = dict(loaders)
+        if len(loaders) == 1:
+            tokens = {loaders[0][0]: num_external_tokens}
+        elif loaders:
+            assert sum(tokens.values()) == num_external_tokens, (tokens, num_external_tokens)
+            self._shared_loads[request.request_id] = tuple(tokens)
         for position, child in enumerate(self.connectors):
-            mine = num_external_tokens if position == loader else 0
-            child.update_state_after_alloc(request, blocks, mine)
+            child.update_state_after_alloc(request, blocks, tokens.get(position, 0))
 
     def build_connector_meta(self, scheduler_output: ScheduledStep) -> MultiConnectorMetadata:
         children = tuple(child.build_connector_meta(scheduler_output) for child in self.connectors)
         holders, self._holders = self._holders, {}
-        return MultiConnectorMetadata(children, holders)
+        loaders, self._shared_loads = self._shared_loads, {}
+        return MultiConnectorMetadata(children, holders, loaders)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Each child sees the whole report, with its own ``worker_meta``."""
@@ -120,14 +144,13 @@ class MultiConnector(KVConnectorBase):
                 holders.append(position)
             if child_params is not None:
                 params = {**child_params, **(params or {})}
-        self._loader.pop(request.request_id, None)
+        self._loaders.pop(request.request_id, None)
         if len(holders) > 1:
             self._holders[request.request_id] = tuple(holders)
         return bool(holders), params
 
     def cancel_load(self, request: ConnectorRequest) -> None:
-        child = self._loading_child(request)
-        if child is not None:
+        for child in self._loading_children(request):
             child.cancel_load(request)
 
     def take_events(self) -> list[KVCacheEvent]:

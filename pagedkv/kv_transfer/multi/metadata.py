@@ -15,3 +15,7 @@ class MultiConnectorMetadata(KVConnectorMetadata):
     #: positions of those children. The worker reports such a request in ``finished_sending``
     #: once each of them has.
     holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Requests admitted this step whose KV two children or more load, one after the other:
+    #: the positions of those children. The worker reports such a request in
+    #: ``finished_recving`` once each of them has.
+    loaders: dict[str, tuple[int, ...]] = field(default_factory=dict)

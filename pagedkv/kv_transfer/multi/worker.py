@@ -5,7 +5,8 @@ idle engine. The engine sleeps until then only if every child signals its progre
 polls (``KVConnectorWorker.wait_for_progress``).
 
 A request held by several children (``MultiConnectorMetadata.holders``) is reported in
-``finished_sending`` once each of them has reported it; any other request, when its child
+``finished_sending`` once each of them has reported it; a request loaded by several
+(``loaders``), in ``finished_recving`` once each has; any other request, when its child
 reports it.
 """
 
@@ -44,8 +45,10 @@ class MultiConnectorWorker(KVConnectorWorker):
         self.signals_progress = all(worker.signals_progress for worker in self.workers)
         for worker in self.workers:
             worker.set_progress_event(self.progress_event)
-        #: Request id -> positions of the children still to report its send ended.
+        #: Request id -> positions of the children still to report its send ended ...
         self._holders: dict[str, set[int]] = {}
+        #: ... and its load ended.
+        self._loaders: dict[str, set[int]] = {}
 
     def set_progress_event(self, event: threading.Event) -> None:
         super().set_progress_event(event)
@@ -62,6 +65,8 @@ class MultiConnectorWorker(KVConnectorWorker):
         super().bind_connector_metadata(metadata)
         for request_id, holders in metadata.holders.items():
             self._holders[request_id] = set(holders)
+        for request_id, loaders in metadata.loaders.items():
+            self._loaders[request_id] = set(loaders)
         for worker, child in zip(self.workers, metadata.children, strict=True):
             worker.bind_connector_metadata(child)
 
@@ -92,20 +97,12 @@ class MultiConnectorWorker(KVConnectorWorker):
         outputs = []
         for position, worker in enumerate(self.workers):
             output = worker.get_finished()
-            sent = {rid for rid in output.finished_sending if self._send_ended(rid, position)}
-            outputs.append(dataclasses.replace(output, finished_sending=sent))
+            sent = {r for r in output.finished_sending if _ended(self._holders, r, position)}
+            loaded = {r for r in output.finished_recving if _ended(self._loaders, r, position)}
+            outputs.append(
+                dataclasses.replace(output, finished_sending=sent, finished_recving=loaded)
+            )
         return KVConnectorOutput.merge(outputs)
-
-    def _send_ended(self, request_id: str, position: int) -> bool:
-        """Child ``position`` reports ``request_id``'s send ended: has every holder now?"""
-        holders = self._holders.get(request_id)
-        if holders is None:
-            return True
-        holders.discard(position)
-        if holders:
-            return False
-        del self._holders[request_id]
-        return True
 
     def get_kv_connector_stats(self) -> dict[str, int | float]:
         stats = [worker.get_kv_connector_stats() for worker in self.workers]
@@ -113,3 +110,16 @@ class MultiConnectorWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         shutdown_all(self.workers)
+
+
+def _ended(waiting: dict[str, set[int]], request_id: str, position: int) -> bool:
+    """Child ``position`` reports ``request_id``'s transfer ended: is every child that
+    ``waiting`` lists for it done now? (A request not listed has one child.)"""
+    children = waiting.get(request_id)
+    if children is None:
+        return True
+    children.discard(position)
+    if children:
+        return False
+    del waiting[request_id]
+    return True

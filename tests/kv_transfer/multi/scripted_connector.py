@@ -3,6 +3,7 @@ are recorded: children for unit tests of the MultiConnector.
 
 extra config (all optional):
   matched:   tokens ``get_num_new_matched_tokens`` answers (an int, or None: "not known yet")
+  sync:      those tokens load synchronously (in the step) rather than asynchronously
   hold:      ``request_finished`` holds the blocks
   params:    the ``kv_transfer_params`` ``request_finished`` answers
   events:    what ``take_events`` answers (once)
@@ -66,7 +67,7 @@ class ScriptedConnector(_Scripted, KVConnectorBase):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         self.record("get_num_new_matched_tokens", request.request_id, num_computed_tokens)
-        return self.script.get("matched", 0), True
+        return self.script.get("matched", 0), not self.script.get("sync", False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens) -> None:
         self.record("update_state_after_alloc", request.request_id, num_external_tokens)

@@ -113,22 +113,47 @@ def test_a_child_that_fails_to_start_stops_those_already_started() -> None:
 
 
 # ------------------------------------------------------------------ loads
-def test_the_first_child_with_tokens_loads_alone() -> None:
-    scheduler, _ = multi(child("a", matched=0), child("b", matched=32), child("c", matched=48))
-    assert scheduler.get_num_new_matched_tokens(request(), 16) == (32, True)
-    # c is never asked: b loads the request.
-    assert [name for name, _ in calls("get_num_new_matched_tokens")] == ["a", "b"]
-    scheduler.update_state_after_alloc(request(), None, 32)
-    assert calls("update_state_after_alloc") == [("a", ("r", 0)), ("b", ("r", 32)), ("c", ("r", 0))]
+def test_children_load_one_after_the_other() -> None:
+    scheduler, worker = multi(child("a", matched=0), child("b", matched=32), child("c", matched=48))
+    assert scheduler.get_num_new_matched_tokens(request(), 16) == (80, True)
+    # Each child is asked from where the ones before it stop.
+    assert calls("get_num_new_matched_tokens") == [
+        ("a", ("r", 16)),
+        ("b", ("r", 16)),
+        ("c", ("r", 48)),
+    ]
+    scheduler.update_state_after_alloc(request(), None, 80)
+    assert calls("update_state_after_alloc") == [
+        ("a", ("r", 0)),
+        ("b", ("r", 32)),
+        ("c", ("r", 48)),
+    ]
+    meta = scheduler.build_connector_meta(None)
+    assert meta.loaders == {"r": (1, 2)}
     scheduler.cancel_load(request())
-    assert calls("cancel_load") == [("b", ("r",))]
+    assert calls("cancel_load") == [("b", ("r",)), ("c", ("r",))]
+    # The load ends once both loaders have reported it.
+    worker.bind_connector_metadata(meta)
+    worker.workers[1].pending = KVConnectorOutput(finished_recving={"r"})
+    assert worker.get_finished().finished_recving == set()
+    worker.workers[2].pending = KVConnectorOutput(finished_recving={"r"})
+    assert worker.get_finished().finished_recving == {"r"}
+
+
+def test_a_synchronous_load_is_a_requests_only_one() -> None:
+    scheduler, _ = multi(child("a", matched=32, sync=True), child("b", matched=48))
+    assert scheduler.get_num_new_matched_tokens(request(), 0) == (32, False)
+    scheduler.update_state_after_alloc(request(), None, 31)  # capped before the last token
+    assert calls("update_state_after_alloc") == [("a", ("r", 31)), ("b", ("r", 0))]
+    scheduler, _ = multi(child("a", matched=32), child("b", matched=48, sync=True))
+    assert scheduler.get_num_new_matched_tokens(request(), 0) == (32, True)
 
 
 def test_a_child_that_does_not_know_yet_makes_the_multi_ask_again() -> None:
     scheduler, _ = multi(child("a", matched=None), child("b", matched=32))
     assert scheduler.get_num_new_matched_tokens(request(), 0) == (None, False)
     scheduler_b_first, _ = multi(child("b", matched=32), child("a", matched=None))
-    assert scheduler_b_first.get_num_new_matched_tokens(request(), 0) == (32, True)
+    assert scheduler_b_first.get_num_new_matched_tokens(request(), 0) == (None, False)
 
 
 def test_no_child_with_tokens_is_no_load() -> None:
@@ -138,19 +163,24 @@ def test_no_child_with_tokens_is_no_load() -> None:
     assert calls("cancel_load") == []
 
 
-def test_the_loading_child_decides_the_failure_policy_of_its_request() -> None:
+def test_the_loading_children_decide_the_failure_policy_of_their_request() -> None:
     fails = {**child("p2p", matched=16), "kv_load_failure_policy": "fail"}
     caches = {**child("cache", matched=32), "kv_load_failure_policy": "recompute"}
     scheduler, _ = multi(fails, caches)
-    p2p_request, cache_request, plain = request("p2p"), request("cache"), request("plain")
+    p2p_request, cache_request, both, plain = map(request, ("p2p", "cache", "both", "plain"))
+    scheduler.get_num_new_matched_tokens(both, 0)
+    scheduler.connectors[1].script["matched"] = 0
     scheduler.get_num_new_matched_tokens(p2p_request, 0)
     scheduler.connectors[0].script["matched"] = 0
+    scheduler.connectors[1].script["matched"] = 32
     scheduler.get_num_new_matched_tokens(cache_request, 0)
     assert scheduler.load_failure_policy_for(p2p_request) == "fail"
     assert scheduler.load_failure_policy_for(cache_request) == "recompute"
+    # Loaded by both: a cache's miss never fails a request.
+    assert scheduler.load_failure_policy_for(both) == "recompute"
     # A request no child loads: the MultiConnector's own policy.
     assert scheduler.load_failure_policy_for(plain) == "fail"
-    # Once the request ends, its loader is forgotten.
+    # Once the request ends, its loaders are forgotten.
     scheduler.request_finished(cache_request, ([],))
     assert scheduler.load_failure_policy_for(cache_request) == "fail"
 
