@@ -44,6 +44,7 @@ def test_1p1d_with_tiers_on_both_sides_equals_a_single_instance(
     outs = disaggregate(p, d, prompts)
     assert [o["token_ids"] for o in outs] == reference_outputs("llama", prompts, MAX_TOKENS)
     p_stats, d_stats = p.wait_settled(), d.wait_settled()
+    assert p_stats["connector"]["num_p2p_sends_delivered"] == len(prompts)
     assert d_stats["num_prompt_tokens"] == len(prompts)  # D computed only each last token
     assert d_stats["connector"]["num_p2p_loads_delivered"] == len(prompts)
 
@@ -53,7 +54,7 @@ def test_1p1d_with_tiers_on_both_sides_equals_a_single_instance(
     alone(d, shared + [1])
     assert d.call("reset_prefix_cache")
     prompt = shared + random_prompt(40, seed=6)
-    d_before, p_before = d.wait_settled(), p.wait_settled()
+    d_before = d.wait_settled()
     (out,) = disaggregate(p, d, [prompt])
     assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
     d_after, p_after = d.wait_settled(), p.wait_settled()
