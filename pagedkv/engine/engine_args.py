@@ -138,6 +138,16 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--kv-offloading-size",
+        dict(
+            type=float,
+            metavar="GiB",
+            help="offload KV cache blocks to a host memory tier of this many GiB (vLLM's); "
+            "with --kv-transfer-config, both connectors run (a MultiConnector)",
+        ),
+    ),
+    ("--kv-offloading-backend", dict(choices=["native"], help="what offloads the KV")),
+    (
         "--generation-config",
         dict(
             metavar="{auto,vllm,DIR}",
@@ -179,6 +189,9 @@ class EngineArgs:
     enforce_eager: bool = False
     retune_kernels: bool = False
     kv_transfer_config: dict | None = field(default=None)
+    #: GiB of host memory for offloaded KV blocks (``--kv-offloading-size``).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
 
@@ -213,10 +226,43 @@ class EngineArgs:
             fail("scheduling_policy", "must be fcfs or priority")
         if not self.generation_config:
             fail("generation_config", "must be auto, vllm or a directory")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int | float)):
+            fail("kv_offloading_size", "must be a number of GiB > 0 (or None)")
+        if size is not None and not size > 0:
+            fail("kv_offloading_size", "must be a number of GiB > 0 (or None)")
+        if self.kv_offloading_backend != "native":
+            fail("kv_offloading_backend", "must be native")
 
     @property
     def model_path(self) -> Path:
         return Path(self.model) if self.model else DEFAULT_MODEL_PATH
+
+    def effective_kv_transfer_config(self) -> dict | None:
+        """The KV connector the engine runs: ``kv_transfer_config``, an OffloadingConnector
+        for ``kv_offloading_size`` (a host tier), or both under a MultiConnector: the tiers
+        first, so that a request loads what its tiers hold and the rest from the user's
+        connector (P2P: from P)."""
+        if self.kv_offloading_size is None:
+            return self.kv_transfer_config
+        offloading = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "tiers": [{"medium": "cpu", "size_gib": self.kv_offloading_size}]
+            },
+        }
+        user = self.kv_transfer_config
+        if user is None:
+            return offloading
+        if user.get("kv_connector") == "MultiConnector":  # one more child
+            children = (user.get("kv_connector_extra_config") or {}).get("connectors")
+            extra = {"connectors": [offloading, *(children or [])]}
+            return {**user, "kv_connector_extra_config": extra}
+        multi = {"kv_connector": "MultiConnector", "kv_role": user.get("kv_role")}
+        if "engine_id" in user:
+            multi["engine_id"] = user["engine_id"]
+        return {**multi, "kv_connector_extra_config": {"connectors": [offloading, user]}}
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:

@@ -4,7 +4,7 @@ A transfer keeps a request's blocks beyond what the V1 scheduler itself tracks. 
 
     load (consumer): admitted, load_async
         -> LOADING (status WAITING_FOR_REMOTE_KVS; cancelled once, if its deadline passes:
-                    ``kv_load_timeout`` after admission, pushed forward each time the
+                    ``load_timeout`` after admission, pushed forward each time the
                     connector reports the load in progress)
             -- finished_recving --> LOADED -- promote_if_loaded --> status WAITING
             -- finished_recving, its blocks bad under "fail" --> the request ends with an error
@@ -125,7 +125,7 @@ class KVTransferTracker:
         self.connector.update_state_after_alloc(request, blocks, external.num_tokens)
         if external.load_async:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            deadline = self.clock() + self.connector.config.kv_load_timeout
+            deadline = self.clock() + self.connector.load_timeout
             self._loading[request.request_id] = _Load(request, deadline)
 
     def promote_if_loaded(self, request: Request) -> bool:
@@ -211,7 +211,7 @@ class KVTransferTracker:
         """The source of these loads still computes their KV: each deadline counts from now
         (a load already cancelled stays cancelled)."""
         assert self.connector is not None
-        deadline = self.clock() + self.connector.config.kv_load_timeout
+        deadline = self.clock() + self.connector.load_timeout
         for request_id in request_ids:
             load = self._loading.get(request_id)
             if load is not None and not load.cancelled:
@@ -226,16 +226,18 @@ class KVTransferTracker:
     ) -> None:
         """A failed load is a set of block ids. Under the "recompute" policy the affected
         request keeps the KV before the first bad block and computes the rest itself; under
-        "fail" it ends with an error. Bad blocks never stay in the prefix cache."""
-        assert self.connector is not None
+        "fail" it ends with an error (the policy the connector gives for that request). Bad blocks
+        never stay in the prefix cache."""
+        connector = self.connector
+        assert connector is not None
         kv = self.kv_cache_manager
-        fail = self.connector.load_failure_policy == "fail"
         kv.evict_invalid_blocks(invalid_block_ids)
         for request in requests:
             request_id = request.request_id
             first_bad = kv.first_token_in_blocks(request_id, invalid_block_ids)
             if first_bad is None:
                 continue
+            fail = connector.load_failure_policy_for(request) == "fail"
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 load = self._loading.get(request_id)
                 if not fail:

@@ -28,6 +28,7 @@ from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_connector
@@ -163,12 +164,14 @@ class LLMEngine:
         self.model_runner.warm_up()
 
     def _init_kv_connector(self, model_fingerprint: str) -> KVConnectorBase | None:
-        """The KV connector's scheduler half (``--kv-transfer-config``); its worker half goes
-        to the model runner."""
+        """The KV connector's scheduler half (``--kv-transfer-config``, ``--kv-offloading-size``
+        or both: ``EngineArgs.effective_kv_transfer_config``); its worker half goes to the
+        model runner."""
         self.kv_transfer_config = None
-        if self.args.kv_transfer_config is None:
+        config = self.args.effective_kv_transfer_config()
+        if config is None:
             return None
-        self.kv_transfer_config = KVTransferConfig.from_dict(self.args.kv_transfer_config)
+        self.kv_transfer_config = KVTransferConfig.from_dict(config)
         connector, connector_worker = create_connector(
             self.kv_transfer_config, self.kv_cache_config, model_fingerprint
         )
@@ -360,10 +363,10 @@ class LLMEngine:
         self.publish_kv_events()
         return reset
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
+    def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
         """Both halves' KV connector counters (exported as ``pagedkv:kv_transfer_*``). Read
         from any thread: each counter is a plain number with one writer."""
-        stats: dict[str, int | float] = {}
+        stats: dict[str, int | float | HistogramStat] = {}
         for half in (self.scheduler.connector, self.model_runner.kv_connector):
             if half is not None:
                 stats.update(half.get_kv_connector_stats())

@@ -10,18 +10,24 @@ Terminal states. Every load a consumer starts ends exactly once, reported in
 every send a producer holds blocks for ends exactly once, reported in ``finished_sending``
 (delivered, refused, failed, or its lease expired). The scheduler frees blocks only then.
 
-Deadlines. A load counts as failed once ``kv_load_timeout`` has passed since it started, or
-since the worker last reported it in ``loads_in_progress`` (its source is busy computing it:
-an overloaded producer costs time, not a failed request).
+Deadlines. A load counts as failed once ``load_timeout`` (``kv_load_timeout``) has passed
+since it started, or since the worker last reported it in ``loads_in_progress`` (its source is
+busy computing it: an overloaded producer costs time, not a failed request).
+
+Progress. A worker half that knows when its transfers end (``signals_progress``) sets its
+``progress_event`` each time one may have; an idle engine waits on that event. A composite
+connector hands one event to all its children (``set_progress_event``), so any child's
+transfer ending wakes the engine.
 """
 
 from __future__ import annotations
 
-import time
+import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_connector.protocols import (
     ConnectorRequest,
@@ -53,9 +59,9 @@ class KVConnectorHalf:
         #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
         self.model_fingerprint = model_fingerprint
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
-        """Counters and gauges since start, by name (both halves' merged, exported as
-        ``pagedkv:kv_transfer_*``)."""
+    def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
+        """Counters (``num_*``), gauges and histograms since start, by name (both halves'
+        merged, exported as ``pagedkv:kv_transfer_*``)."""
         return {}
 
     def shutdown(self) -> None:
@@ -71,6 +77,16 @@ class KVConnectorBase(KVConnectorHalf, ABC):
     @property
     def load_failure_policy(self) -> str:
         return self.config.kv_load_failure_policy or self.default_load_failure_policy
+
+    def load_failure_policy_for(self, request: ConnectorRequest) -> str:
+        """The policy for a failed load into ``request``'s blocks: a composite connector
+        answers with the policy of the child that loads the request."""
+        return self.load_failure_policy
+
+    @property
+    def load_timeout(self) -> float:
+        """Seconds a load may take (``kv_load_timeout``) before it counts as failed."""
+        return self.config.kv_load_timeout
 
     @property
     def peer_address(self) -> PeerAddr | None:
@@ -124,14 +140,34 @@ class KVConnectorBase(KVConnectorHalf, ABC):
         return []
 
 
+#: How long an idle engine sleeps between polls of a worker half that does not signal progress.
+POLL_S = 0.001
+
+
 class KVConnectorWorker(KVConnectorHalf, ABC):
     """Worker half. Lives with the model runner; moves KV between its cache and elsewhere."""
+
+    #: Whether this half sets ``progress_event`` whenever a transfer may have ended (then an
+    #: idle engine sleeps until it does); if not, an idle engine polls every ``POLL_S``.
+    signals_progress = False
 
     def __init__(
         self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
     ) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
         self._metadata: KVConnectorMetadata | None = None
+        #: Set (by any thread) when a transfer may have ended. Replaced by
+        #: ``set_progress_event``: read the attribute each time, never keep the event.
+        self.progress_event = threading.Event()
+
+    def set_progress_event(self, event: threading.Event) -> None:
+        """Use ``event`` as this half's wake-up (a composite connector shares one among its
+        children). Called once, right after construction."""
+        self.progress_event = event
+
+    def notify_progress(self) -> None:
+        """A transfer may have ended: wake an engine that waits in ``wait_for_progress``."""
+        self.progress_event.set()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
         """The per-layer caches ``[2, num_blocks, block_size, kv_heads, head_size]`` and each
@@ -165,9 +201,11 @@ class KVConnectorWorker(KVConnectorHalf, ABC):
 
     def wait_for_progress(self, timeout: float) -> None:
         """Called when a step had nothing to compute and only transfers are pending: block up to
-        ``timeout`` seconds, returning early once a transfer may have ended. The default polls;
-        a connector that knows when its transfers end should wake the engine itself."""
-        time.sleep(min(timeout, 0.001))
+        ``timeout`` seconds (``POLL_S`` unless ``signals_progress``), returning early once
+        ``progress_event`` is set."""
+        event = self.progress_event
+        event.wait(timeout if self.signals_progress else min(timeout, POLL_S))
+        event.clear()
 
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,3 +37,20 @@ class KVConnectorOutput:
             or self.loads_in_progress
             or self.worker_meta is not None
         )
+
+    @classmethod
+    def merge(cls, outputs: Sequence[KVConnectorOutput]) -> KVConnectorOutput:
+        """One report of several connectors' (a composite's children, in order): the union of
+        each set, the load errors merged (an earlier output's error for a request wins), and
+        ``worker_meta`` the tuple of theirs, by position (None when each is None)."""
+        merged = cls()
+        for output in outputs:
+            merged.finished_sending |= output.finished_sending
+            merged.finished_recving |= output.finished_recving
+            merged.invalid_block_ids |= output.invalid_block_ids
+            merged.loads_in_progress |= output.loads_in_progress
+            merged.load_errors = {**output.load_errors, **merged.load_errors}
+        metas = tuple(output.worker_meta for output in outputs)
+        if any(meta is not None for meta in metas):
+            merged.worker_meta = metas
+        return merged

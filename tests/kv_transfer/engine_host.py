@@ -179,6 +179,8 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
             elif op == "abort":
                 engine.abort_request(command["request_id"])
                 reply = True
+            elif op == "reset_prefix_cache":
+                reply = engine.reset_prefix_cache()
             elif op == "stats":
                 connector = engine.model_runner.kv_connector
                 assert connector is not None
@@ -188,9 +190,11 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
                     "fingerprint": engine.description.identity.fingerprint,
                     "kv_cache_usage": engine.kv_cache_manager.usage,
                     "unfinished": engine.has_unfinished_requests(),
-                    "connector": connector.get_kv_connector_stats()
-                    if connector is not None
-                    else {},
+                    "connector": {  # both halves'; histograms left out (not JSON)
+                        name: value
+                        for name, value in engine.get_kv_connector_stats().items()
+                        if isinstance(value, int | float)
+                    },
                 }
             elif op == "shutdown":
                 stop.set()

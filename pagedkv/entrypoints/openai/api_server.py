@@ -42,7 +42,11 @@ from pagedkv.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from pagedkv.entrypoints.openai.registration import RegistrationConfig, start_registration
+from pagedkv.entrypoints.openai.registration import (
+    RegistrationConfig,
+    registration_extra_config,
+    start_registration,
+)
 from pagedkv.entrypoints.openai.registration_client import close_all
 from pagedkv.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedkv.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -132,7 +136,7 @@ def _v1_routes(async_llm: AsyncLLM, served_model_name: str, api_key: str | None)
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
-    extra = (engine_args.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+    extra = registration_extra_config(engine_args.kv_transfer_config)
     registration = RegistrationConfig.from_args(args.registry, extra)  # fails before loading
     served_model_name = args.served_model_name or engine_args.model_path.name
     registry = CollectorRegistry()

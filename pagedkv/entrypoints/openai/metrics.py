@@ -9,10 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.scheduler_stats import SchedulerStats
+from pagedkv.kv_connector.histogram import HistogramStat
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 _TTFT_BUCKETS += (7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -102,11 +108,12 @@ class PrometheusStatLogger:
 
 class KVTransferCollector:
     """A KV connector's counters (``get_kv_connector_stats``), or another component's, read at
-    each scrape: ``pagedkv:<prefix>_<name>`` (counters for ``num_*``, gauges otherwise)."""
+    each scrape: ``pagedkv:<prefix>_<name>`` (counters for ``num_*``, histograms for a
+    ``HistogramStat``, gauges otherwise)."""
 
     def __init__(
         self,
-        stats: Callable[[], dict[str, int | float]],
+        stats: Callable[[], dict[str, int | float | HistogramStat]],
         model_name: str,
         prefix: str = "kv_transfer",
     ) -> None:
@@ -116,6 +123,15 @@ class KVTransferCollector:
 
     def collect(self) -> Iterator[Metric]:
         for name, value in sorted(self._stats().items()):
+            if isinstance(value, HistogramStat):
+                histogram = HistogramMetricFamily(
+                    f"pagedkv:{self._prefix}_{name}",
+                    f"{self._prefix}: {name}",
+                    labels=["model_name"],
+                )
+                histogram.add_metric([self._model_name], value.cumulative(), value.total)
+                yield histogram
+                continue
             family = CounterMetricFamily if name.startswith("num_") else GaugeMetricFamily
             metric = family(
                 f"pagedkv:{self._prefix}_{name}", f"{self._prefix}: {name}", labels=["model_name"]

@@ -48,6 +48,21 @@ class RegistrationConfig:
         return cls(proxy_addresses(registry, extra), float(heartbeat_s), secret_bytes)
 
 
+def registration_extra_config(kv_transfer_config: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The ``kv_connector_extra_config`` the registration reads: the connector's; for a
+    MultiConnector, its children's merged (an earlier child's key wins: the child that pairs
+    comes first, as its peer address is the MultiConnector's)."""
+    config = kv_transfer_config or {}
+    extra = config.get("kv_connector_extra_config") or {}
+    if config.get("kv_connector") != "MultiConnector":
+        return extra
+    merged: dict[str, Any] = {}
+    for child in reversed(extra.get("connectors") or []):
+        child_extra = child.get("kv_connector_extra_config") if isinstance(child, dict) else None
+        merged.update(child_extra if isinstance(child_extra, dict) else {})
+    return merged
+
+
 def start_registration(
     description: EngineDescription,
     load: Callable[[], tuple[int, int]],

@@ -30,6 +30,7 @@ from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_events import BlockStored, KVCacheEvent
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
+from pagedkv.kv_connector.histogram import Histogram, HistogramStat
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_connector.protocols import ConnectorRequest, ScheduledStep
 from pagedkv.kv_transfer.offload.config import OffloadingConfig
@@ -41,7 +42,7 @@ from pagedkv.kv_transfer.offload.metadata import (
     TierBlock,
 )
 from pagedkv.kv_transfer.offload.prefix_locator import PrefixLocator
-from pagedkv.kv_transfer.offload.stats import LoadLatency, TierCounters
+from pagedkv.kv_transfer.offload.stats import LOAD_LATENCY_BUCKETS, TierCounters
 from pagedkv.kv_transfer.offload.tier_index import TierIndex
 from pagedkv.kv_transfer.offload.tier_sizes import slot_bytes, tier_capacity_blocks
 from pagedkv.kv_transfer.store.backends import StoreBackend, StoreError, create_backend
@@ -77,6 +78,8 @@ class OffloadingConnector(KVConnectorBase):
         self.block_size = specs[0].block_size
         self.windows = [window_blocks(spec) for spec in specs]
         self.num_groups = len(specs)
+        #: This step's plan (evictions while the disk tier is indexed at start go in the first).
+        self._meta = OffloadingMetadata()
         self.tiers: dict[str, TierIndex] = {}
         self.counters: dict[str, TierCounters] = {}
         for tier in self.offload_config.tiers:
@@ -91,7 +94,7 @@ class OffloadingConnector(KVConnectorBase):
         self.locator = PrefixLocator(
             self.tiers, self.remote, self.counters.get("remote"), self._key, self.windows
         )
-        self.load_latency = LoadLatency()
+        self.load_latency = Histogram(LOAD_LATENCY_BUCKETS)
         self.num_external_queries = 0
         self.num_external_hits = 0
         self._saves: dict[str, _SaveState] = {}
@@ -99,7 +102,6 @@ class OffloadingConnector(KVConnectorBase):
         self._loads: dict[str, list[tuple[str, str]]] = {}
         #: Keys being loaded, and for which request (a second request waits for that load).
         self._loading_keys: dict[str, str] = {}
-        self._meta = OffloadingMetadata()
 
     def _add_tier_index(self, name: str) -> None:
         tier = self.offload_config.tier(name)
@@ -331,8 +333,8 @@ class OffloadingConnector(KVConnectorBase):
     def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
         return {index.medium: index.block_hashes(self.num_groups) for index in self.tiers.values()}
 
-    def get_kv_connector_stats(self) -> dict[str, int | float]:
-        stats: dict[str, int | float] = {
+    def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
+        stats: dict[str, int | float | HistogramStat] = {
             "num_external_prefix_cache_queries": self.num_external_queries,
             "num_external_prefix_cache_hits": self.num_external_hits,
         }
@@ -344,7 +346,7 @@ class OffloadingConnector(KVConnectorBase):
                 stats[f"offload_{name}_capacity_bytes"] = index.capacity_blocks * size
                 stats[f"offload_{name}_used_bytes"] = len(index) * size
                 stats[f"num_offload_{name}_evictions"] = index.num_evictions
-        stats.update(self.load_latency.as_stats())
+        stats["offload_load_seconds"] = self.load_latency.snapshot()
         return stats
 
     def shutdown(self) -> None:

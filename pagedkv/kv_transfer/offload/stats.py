@@ -1,4 +1,4 @@
-"""The offloading connector's counters, per tier, and its load latency histogram.
+"""The offloading connector's counters, per tier, and its load latency buckets.
 
 Each counter has one writer thread (the engine thread, or one tier's writer), so plain integer
 fields suffice; a reader may see a value one update old.
@@ -6,10 +6,9 @@ fields suffice; a reader may see a value one update old.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, fields
 
-#: Load latency buckets (seconds), upper bounds; the last bucket is +Inf.
+#: Load latency buckets (seconds, upper bounds) of ``offload_load_seconds``.
 LOAD_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -51,26 +50,3 @@ class TierIOCounters:
 
     def as_stats(self, tier: str) -> dict[str, int]:
         return _as_stats(self, tier)
-
-
-class LoadLatency:
-    """A cumulative histogram of load durations, exported as Prometheus buckets."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LOAD_LATENCY_BUCKETS) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LOAD_LATENCY_BUCKETS, seconds)] += 1
-        self.total_s += seconds
-
-    def as_stats(self) -> dict[str, int | float]:
-        """``offload_load_seconds_bucket_le_<bound>`` (cumulative), ``_count``, ``_sum``."""
-        stats: dict[str, int | float] = {}
-        cumulative = 0
-        for bound, count in zip((*LOAD_LATENCY_BUCKETS, float("inf")), self.counts):
-            cumulative += count
-            stats[f"offload_load_seconds_bucket_le_{bound:g}"] = cumulative
-        stats["offload_load_seconds_count"] = cumulative
-        stats["offload_load_seconds_sum"] = self.total_s
-        return stats

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadingConnectorWorker(KVConnectorWorker):
+    signals_progress = True
+
     def __init__(self, config: KVTransferConfig, kv_cache_config, model_fingerprint: str) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
         self.offload_config = OffloadingConfig.from_extra_config(config.kv_connector_extra_config)
@@ -65,7 +67,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._finished: set[str] = set()
         self._invalid: set[int] = set()
         self._cancelled: set[str] = set()
-        self._progress = threading.Event()
         self._loads = ThreadPoolExecutor(
             self.offload_config.max_parallel_loads, thread_name_prefix="pagedkv-offload-load"
         )
@@ -132,7 +133,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             self._report.bad.extend(bad)
             self._report.stores.extend(stores)
             self._report.load_seconds.append(time.monotonic() - submitted_at)
-        self._progress.set()
+        self.notify_progress()
 
     def _is_cancelled(self, req_id: str) -> bool:
         return req_id in self._cancelled
@@ -179,10 +180,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         ids = [b.block_id for b in blocks]
         self.host.store(layout, self.kv_caches, ids, [b.slot for b in blocks])  # type: ignore[misc]
         self.host_counters.num_bytes_in += len(ids) * layout.payload_size
-
-    def wait_for_progress(self, timeout: float) -> None:
-        self._progress.wait(timeout)
-        self._progress.clear()
 
     # ------------------------------------------------------------------ saves
     def wait_for_save(self) -> None:

@@ -26,6 +26,7 @@ import collections
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -127,18 +128,18 @@ class P2pStats:
 class Finished:
     """What the worker reports up at the end of a step (``finished_sending``,
     ``finished_recving``, ``invalid_block_ids``, ``loads_in_progress``), filled by any thread;
-    ``progress`` wakes an engine that waits only for transfers."""
+    ``notify`` wakes an engine that waits only for transfers."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify: Callable[[], None]) -> None:
         self._lock = threading.Lock()
         self._output = KVConnectorOutput()
-        self.progress = threading.Event()
+        self._notify = notify
 
     def sending(self, request_id: str) -> None:
         """P: the request's blocks may be freed."""
         with self._lock:
             self._output.finished_sending.add(request_id)
-        self.progress.set()
+        self._notify()
 
     def recving(self, request_id: str, invalid_block_ids: set[int], error: str | None) -> None:
         """D: the request's load ended (failed: its blocks are ``invalid_block_ids``, and
@@ -148,7 +149,7 @@ class Finished:
             self._output.invalid_block_ids.update(invalid_block_ids)
             if error is not None:
                 self._output.load_errors[request_id] = error
-        self.progress.set()
+        self._notify()
 
     def in_progress(self, request_ids: list[str]) -> None:
         """D: P still computes these requests' KV (their deadlines count from now). Nothing

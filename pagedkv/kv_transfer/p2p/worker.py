@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 
 class P2pConnectorWorker(KVConnectorWorker):
+    signals_progress = True
+
     def __init__(self, config, kv_cache_config, model_fingerprint: str) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
         p2p = self.p2p_config = P2pConfig.from_kv_transfer_config(config)
@@ -61,7 +63,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         block_size = groups[0].kv_cache_spec.block_size
         num_layers = sum(len(group.layer_names) for group in groups)
         self.stats = P2pStats()
-        self.finished = Finished()
+        self.finished = Finished(self.notify_progress)
         self.pool = SendPool(int(config.kv_buffer_size))
         self.send_context = SendContext([], [], block_size, self.pool, p2p.transfer_timeout_s)
         self.mode = SEND_MODES[p2p.send_type](self.send_context)
@@ -155,10 +157,6 @@ class P2pConnectorWorker(KVConnectorWorker):
 
     def wait_for_save(self) -> None:
         self.mode.wait_for_save()
-
-    def wait_for_progress(self, timeout: float) -> None:
-        self.finished.progress.wait(timeout)
-        self.finished.progress.clear()
 
     def get_finished(self) -> KVConnectorOutput:
         return self.finished.take()

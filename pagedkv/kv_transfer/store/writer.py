@@ -178,12 +178,23 @@ class BlockWriter:
         except StoreError as e:
             stats.num_put_failures += len(keys)
             _failures.warning("put", "store: %d blocks not stored: %s", len(keys), e)
-            if self.on_stored is not None:
-                self.on_stored(keys, False)
+            self._report_partial(keys)
             return
         self.recent_keys.add_many(keys)
         if self.on_stored is not None:
             self.on_stored(keys, True)
+
+    def _report_partial(self, keys: list[str]) -> None:
+        """After a failed put, tell ``on_stored`` which keys made it anyway (a batch can fail
+        halfway: a disk that fills up), so that none is stored unknown to its owner."""
+        if self.on_stored is None:
+            return
+        try:
+            exists = self.backend.exists_many(keys)
+        except StoreError:
+            exists = [False] * len(keys)
+        self.on_stored([k for k, e in zip(keys, exists) if e], True)
+        self.on_stored([k for k, e in zip(keys, exists) if not e], False)
 
     def _delete(self, keys: list[str]) -> None:
         self.recent_keys.discard_many(keys)

@@ -1,0 +1,1 @@
+"""MultiConnector: several KV connectors composed as one (vLLM's connector of connectors)."""
