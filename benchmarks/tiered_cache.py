@@ -172,12 +172,14 @@ def print_details(restart, concurrent, decode) -> None:
         )
     if concurrent is not None:
         together = len(concurrent.hit_tokens) // len(concurrent.alone) - 1
+        pooled = median_ms(concurrent.together_p99) / median_ms(concurrent.pooled_p99)
         print(
             f"Same {concurrent.prefix_tokens}-token prefix from the host tier: one alone "
             f"{median_ms(concurrent.alone):.1f} ms, p99 of {together} "
             f"together {median_ms(concurrent.together_p99):.1f} ms (medians of "
             f"{len(concurrent.alone)}); hit tokens {sorted(set(concurrent.hit_tokens))}; p99 "
-            f"with the prefix in the pool {median_ms(concurrent.pooled_p99):.1f} ms"
+            f"with the prefix in the pool {median_ms(concurrent.pooled_p99):.1f} ms (their "
+            f"compute: the load costs {pooled:.2f}x it)"
         )
     if decode is not None:
         print(
