@@ -179,7 +179,7 @@ def print_details(restart, concurrent, decode) -> None:
             f"together {median_ms(concurrent.together_p99):.1f} ms (medians of "
             f"{len(concurrent.alone)}); hit tokens {sorted(set(concurrent.hit_tokens))}; p99 "
             f"with the prefix in the pool {median_ms(concurrent.pooled_p99):.1f} ms (their "
-            f"compute: the load costs {pooled:.2f}x it)"
+            f"compute alone; from the host tier {pooled:.2f}x that)"
         )
     if decode is not None:
         print(
