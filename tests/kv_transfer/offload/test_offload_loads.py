@@ -135,14 +135,14 @@ def test_every_block_read_back_equals_what_was_stored(tmp_path):
             "disk": [TierBlock(0, 7 + b, keys[b]) for b in (3, 4, 5)],
         },
     )
-    _step(worker, OffloadingMetadata(loads=[load]))
+    output = _step(worker, OffloadingMetadata(loads=[load]))  # may end within its own step
     deadline = time.monotonic() + 10
-    finished = set()
-    while not finished:
-        assert time.monotonic() < deadline
-        output = _step(worker, OffloadingMetadata())
-        finished = output.finished_recving
+    while not output.finished_recving:
         assert not output.invalid_block_ids
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+        output = _step(worker, OffloadingMetadata())
+    assert output.finished_recving == {"r"} and not output.invalid_block_ids
     for b, layers in stored.items():
         for cache, want in zip(worker.kv_caches, layers):
             assert torch.equal(cache[:, 7 + b], want)
