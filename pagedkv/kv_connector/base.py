@@ -120,8 +120,18 @@ class KVConnectorBase(KVConnectorHalf, ABC):
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV cache events of the tiers this connector keeps (each tagged with its
-        ``medium``) since the last call; published after the pool's own."""
+        ``medium``) since the last call; published after the pool's own, in the same batch.
+        The engine takes them every step, published or not, so a connector may collect
+        them unconditionally."""
         return []
+
+    def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
+        """What the tiers hold, for a KV events snapshot: per medium, per KV cache group, the
+        hash of every block (a hash twice when the tier holds two blocks under it). Called on
+        the engine thread right after ``take_events``: it must equal what every event taken
+        so far adds up to (no event still untaken), so a subscriber that loads it and then
+        applies the following batches mirrors the tiers exactly."""
+        return {}
 
 
 class KVConnectorWorker(KVConnectorHalf, ABC):

@@ -160,7 +160,8 @@ def raw_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 def test_wire_shape_is_vllms_and_replay_and_snapshot_answer_on_the_router() -> None:
     """Frames [topic, 8-byte big-endian seq, msgpack [ts, [events]]], events as maps tagged
     "type" with vLLM's field names; the replay socket answers a start seq with the buffered
-    batches then seq -1, and our snapshot request with the cached hashes then seq -1."""
+    batches then seq -1, and our snapshot request with the cached hashes (and the tiers', none
+    here) then seq -1."""
     instance = Instance(num_blocks=20, topic="kv")
     publisher = instance.publisher
     publisher.start()
@@ -207,8 +208,8 @@ def test_wire_shape_is_vllms_and_replay_and_snapshot_answer_on_the_router() -> N
         dealer.send_multipart([b"", SNAPSHOT_REQUEST])
         wait_until(lambda: dealer.poll(0), step=instance.step)
         _, topic, next_seq, body = dealer.recv_multipart()
-        ts, next_seq_in_body, block_hashes = msgspec.msgpack.decode(body)
-        assert int.from_bytes(next_seq, "big") == next_seq_in_body
+        ts, next_seq_in_body, block_hashes, tiers = msgspec.msgpack.decode(body)
+        assert int.from_bytes(next_seq, "big") == next_seq_in_body and tiers == {}
         assert Counter(block_hashes[0]) == Counter(instance.mgr.cached_block_hashes()[0])
         assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
         dealer.close(linger=0)
