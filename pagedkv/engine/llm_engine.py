@@ -129,6 +129,7 @@ class LLMEngine:
             kv_events_topic=self.kv_events_config.topic,
             kv_role=self.kv_transfer_config.kv_role if self.kv_transfer_config else None,
             kv_peer=connector.peer_address if connector else None,
+            kv_tiers=connector.tier_capacities() if connector else {},
         )
 
     def load(self) -> tuple[int, int]:

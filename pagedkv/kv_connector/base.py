@@ -125,6 +125,12 @@ class KVConnectorBase(KVConnectorHalf, ABC):
         them unconditionally."""
         return []
 
+    def tier_capacities(self) -> dict[str, int]:
+        """The tiers this connector keeps: per medium, how many blocks it holds at most (as
+        ``tier_block_hashes`` counts them). Asked once at startup; registered with the
+        proxies, which show it in ``/instances``. {}: no tier."""
+        return {}
+
     def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
         """What the tiers hold, for a KV events snapshot: per medium, per KV cache group, the
         hash of every block (a hash twice when the tier holds two blocks under it). Called on

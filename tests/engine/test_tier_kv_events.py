@@ -62,6 +62,7 @@ def test_tier_events_reach_the_index_with_their_medium_and_the_snapshot_carries_
 ) -> None:
     engine = make_llm("llama", kv_events_config=EVENTS, kv_transfer_config=TIER).llm_engine
     publisher, tier = engine.kv_event_publisher, engine.scheduler.connector
+    assert engine.description.kv_tiers == {"CPU": 6}  # what the instance registers
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

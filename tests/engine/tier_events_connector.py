@@ -51,6 +51,9 @@ class TierEventsConnector(KVConnectorBase):
             self._events.append(BlockRemoved((evicted,), 0, CPU))
         return False, None
 
+    def tier_capacities(self) -> dict[str, int]:
+        return {CPU: self.capacity}
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

@@ -287,8 +287,9 @@ def test_the_proxy_tokenizer_logs_no_length_warning(caplog) -> None:
     assert "Token indices sequence length" not in caplog.text
 
 
-def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> None:
-    """The proxy connects to what an instance registers: only tcp://host:port is accepted."""
+def test_a_registration_with_a_bad_events_endpoint_hashing_or_tiers_is_refused() -> None:
+    """The proxy connects to what an instance registers: only tcp://host:port is accepted;
+    and it shows what it registers: a few KV tiers, each a short name and a capacity."""
     base = dict(role="plain", http_url="http://127.0.0.1:1", model="m", fingerprint="fp")
     for bad in ("tcp://*:5557", "ipc:///tmp/x", "tcp://host", "tcp://a b:1", "http://h:1"):
         with pytest.raises(ValueError, match="kv_events_endpoint"):
@@ -298,3 +299,10 @@ def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> No
     with pytest.raises(ValueError, match="role"):
         Register(**{**base, "role": "replica"})
     assert Register(**base, kv_events_endpoint="tcp://127.0.0.1:5557").kv_events_endpoint
+    tiers = {f"T{i}": 1 for i in range(9)}
+    for bad in ({"CPU": -1}, {"": 1}, {"C" * 33: 1}, {"a\nb": 1}, tiers):
+        with pytest.raises(ValueError, match="kv_tiers"):
+            Register(**base, kv_tiers=bad)
+    good = instance("a")
+    good.info = Register(**base, kv_tiers={"CPU": 4096, "DISK": 1 << 20})
+    assert good.describe()["kv_tiers"] == {"CPU": 4096, "DISK": 1 << 20}  # in /instances
