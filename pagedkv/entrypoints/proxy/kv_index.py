@@ -57,7 +57,7 @@ EXPECT_TTL_S = 10.0
 class KVIndex:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        #: hash -> instance -> medium -> number of its groups that hold the hash there
+        #: hash -> medium -> instance -> number of its groups that hold the hash there
         self._holders: dict[bytes, dict[str, dict[str, int]]] = {}
         #: instance -> medium -> (group, hash) -> number of blocks cached under that key
         self._blocks: dict[str, dict[str, Counter[BlockKey]]] = {}
@@ -121,8 +121,8 @@ class KVIndex:
     def _add_locked(self, name: str, medium: str, blocks: Counter[BlockKey], key: BlockKey) -> None:
         blocks[key] += 1
         if blocks[key] == 1:
-            held = self._holders.setdefault(key[1], {}).setdefault(name, {})
-            held[medium] = held.get(medium, 0) + 1
+            holding = self._holders.setdefault(key[1], {}).setdefault(medium, {})
+            holding[name] = holding.get(name, 0) + 1
 
     def _remove_locked(
         self, name: str, medium: str, blocks: Counter[BlockKey], key: BlockKey
@@ -138,15 +138,15 @@ class KVIndex:
 
     def _unhold_locked(self, name: str, medium: str, block_hash: bytes) -> None:
         """One group fewer of ``name`` holds ``block_hash`` in ``medium``."""
-        holders = self._holders[block_hash]
-        held = holders[name]
-        if held[medium] > 1:
-            held[medium] -= 1
+        by_medium = self._holders[block_hash]
+        holding = by_medium[medium]
+        if holding[name] > 1:
+            holding[name] -= 1
             return
-        del held[medium]
-        if not held:
-            del holders[name]
-            if not holders:
+        del holding[name]
+        if not holding:
+            del by_medium[medium]
+            if not by_medium:
                 del self._holders[block_hash]
 
     def _clear_locked(self, name: str, medium: str | None = None) -> None:
@@ -170,24 +170,61 @@ class KVIndex:
     ) -> dict[str, dict[str, int]]:
         """Per instance, its cached prefix of ``block_hashes`` by tier: the run of them from
         the first that it holds (or is expected to) in some medium, as medium -> number of
-        blocks, each block counted at its cheapest medium by ``tier_costs`` ({}: none)."""
+        blocks, each block counted at its cheapest medium by ``tier_costs`` ({}: none).
+
+        Set operations per block, not a loop per instance: the instances that hold a block
+        in a medium are one intersection; an instance's counts are added up once its medium
+        changes (``_Tally``), so a long prefix held alike costs little per instance."""
         now = time.monotonic()
         with self._lock:
-            remaining = {name: self._num_groups.get(name, 1) for name in names}
-            found: dict[str, Counter[str]] = {name: Counter() for name in remaining}
+            names = list(names)
+            groups = {name: self._num_groups.get(name, 1) for name in names}
+            if all(g == 1 for g in groups.values()):
+                groups = {}  # one group each: held wherever it is listed
+            tally = _Tally(names)
+            #: Instances with blocks on their way (few: they were routed to lately).
+            expecting = {n: self._expected[n] for n in names if self._expected.get(n)}
+            left = set(names)
             for block_hash in block_hashes:
-                holders = self._holders.get(block_hash, {})
-                for name, num_groups in list(remaining.items()):
-                    media = [m for m, g in holders.get(name, {}).items() if g >= num_groups]
-                    if self._expected.get(name, {}).get(block_hash, 0.0) > now:
-                        media.append(GPU)
-                    if not media:
-                        del remaining[name]
-                        continue
-                    found[name][min(media, key=lambda m: (tier_cost(tier_costs, m), m))] += 1
-                if not remaining:
+                step = self._holding_locked(block_hash, left, groups, expecting, tier_costs, now)
+                tally.add(step)
+                left = set().union(*step.values())
+                if not left:
                     break
-            return {name: dict(by_medium) for name, by_medium in found.items()}
+            return tally.counts()
+
+    def _holding_locked(
+        self,
+        block_hash: bytes,
+        left: set[str],
+        groups: dict[str, int],
+        expecting: dict[str, dict[bytes, float]],
+        tier_costs: Mapping[str, float],
+        now: float,
+    ) -> dict[str, frozenset[str]]:
+        """Which of the instances ``left`` (consumed) hold ``block_hash`` (every group of
+        theirs, per ``groups``, {} when each has one; or expected in the pool), by the cheapest
+        medium each holds it in."""
+        by_medium = self._holders.get(block_hash, {})
+        media = list(by_medium)
+        if expecting and GPU not in by_medium:
+            media.append(GPU)
+        if len(media) > 1:
+            media.sort(key=lambda m: (tier_cost(tier_costs, m), m))
+        step: dict[str, frozenset[str]] = {}
+        for medium in media:
+            holding = by_medium.get(medium, {})
+            got = left.intersection(holding)
+            if groups:
+                got = {n for n in got if holding[n] >= groups[n]}
+            if medium == GPU:
+                got |= {n for n in expecting if n in left and expecting[n].get(block_hash, 0) > now}
+            if got:
+                step[medium] = frozenset(got)
+                left -= got
+                if not left:
+                    break
+        return step
 
     def num_cached_blocks(self, name: str, medium: str = GPU) -> int:
         """Distinct (group, hash) entries ``name`` caches in ``medium`` (for the pool: its
@@ -205,3 +242,30 @@ class KVIndex:
         """A copy of ``name``'s mirror of ``medium``: (group, hash) -> number of blocks."""
         with self._lock:
             return Counter(self._blocks.get(name, {}).get(medium, Counter()))
+
+
+class _Tally:
+    """Blocks per instance and medium, added up run by run: consecutive blocks that the same
+    instances hold in the same media are one run, counted once per instance."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._counts: dict[str, Counter[str]] = {name: Counter() for name in names}
+        self._run: dict[str, frozenset[str]] = {}
+        self._length = 0
+
+    def add(self, step: dict[str, frozenset[str]]) -> None:
+        if step != self._run:
+            self._flush()
+            self._run = step
+        self._length += 1
+
+    def _flush(self) -> None:
+        for medium, names in self._run.items():
+            for name in names:
+                self._counts[name][medium] += self._length
+        self._length = 0
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        self._flush()
+        self._run = {}
+        return {name: dict(by_medium) for name, by_medium in self._counts.items()}
