@@ -119,10 +119,12 @@ class KVConnectorBase(KVConnectorHalf, ABC):
         return None
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV cache events of the tiers this connector keeps (each tagged with its
-        ``medium``) since the last call; published after the pool's own, in the same batch.
-        The engine takes them every step, published or not, so a connector may collect
-        them unconditionally."""
+        """KV cache events of the tiers this connector keeps since the last call:
+        ``BlockStored`` and ``BlockRemoved``, each tagged with its tier's ``medium`` (a tier
+        that drops everything says so block by block: ``AllBlocksCleared`` is the pool's
+        reset, and a router clears only the pool on it). Published after the pool's own, in
+        the same batch. The engine takes them every step, published or not, so a connector
+        may collect them unconditionally."""
         return []
 
     def tier_capacities(self) -> dict[str, int]:
