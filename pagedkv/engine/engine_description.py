@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
@@ -66,3 +66,5 @@ class EngineDescription:
     kv_role: KVRole | None = None
     #: Where the connector pairs with peers through a proxy (None: it does not pair).
     kv_peer: PeerAddr | None = None
+    #: The connector's KV tiers: medium -> capacity in blocks ({}: none).
+    kv_tiers: dict[str, int] = field(default_factory=dict)

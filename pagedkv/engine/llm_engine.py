@@ -130,6 +130,7 @@ class LLMEngine:
             kv_events_topic=self.kv_events_config.topic,
             kv_role=self.kv_transfer_config.kv_role if self.kv_transfer_config else None,
             kv_peer=connector.peer_address if connector else None,
+            kv_tiers=connector.tier_capacities() if connector else {},
         )
 
     def load(self) -> tuple[int, int]:
@@ -338,13 +339,21 @@ class LLMEngine:
         return outputs
 
     def publish_kv_events(self) -> None:
-        """Hand the step's KV events to the publisher (a bounded queue: never waits), and the
-        prefix cache's hashes when a subscriber asked for a snapshot."""
+        """Hand the step's KV events to the publisher (a bounded queue: never waits): the
+        pool's, then the connector tiers' (each with its ``medium``), in one batch; and the
+        pool's and the tiers' hashes when a subscriber asked for a snapshot. The connector's
+        events are taken every step, published or not, so none pile up."""
+        connector = self.scheduler.connector
+        tier_events = connector.take_events() if connector is not None else []
         publisher = self.kv_event_publisher
         if publisher is None:
             return
         manager = self.kv_cache_manager
-        publisher.publish_step(manager.take_events(), manager.cached_block_hashes)
+        publisher.publish_step(
+            manager.take_events() + tier_events,
+            manager.cached_block_hashes,
+            connector.tier_block_hashes if connector is not None else dict,
+        )
 
     def _wait_for_transfers(self) -> None:
         """Nothing to compute: only KV transfers are pending. Wait for one to end rather than

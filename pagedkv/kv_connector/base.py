@@ -135,9 +135,27 @@ class KVConnectorBase(KVConnectorHalf, ABC):
         return None
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV cache events of the tiers this connector keeps (each tagged with its
-        ``medium``) since the last call; published after the pool's own."""
+        """KV cache events of the tiers this connector keeps since the last call:
+        ``BlockStored`` and ``BlockRemoved``, each tagged with its tier's ``medium`` (a tier
+        that drops everything says so block by block: ``AllBlocksCleared`` is the pool's
+        reset, and a router clears only the pool on it). Published after the pool's own, in
+        the same batch. The engine takes them every step, published or not, so a connector
+        may collect them unconditionally."""
         return []
+
+    def tier_capacities(self) -> dict[str, int]:
+        """The tiers this connector keeps: per medium, how many blocks it holds at most (as
+        ``tier_block_hashes`` counts them). Asked once at startup; registered with the
+        proxies, which show it in ``/instances``. {}: no tier."""
+        return {}
+
+    def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
+        """What the tiers hold, for a KV events snapshot: per medium, per KV cache group, the
+        hash of every block (a hash twice when the tier holds two blocks under it). Called on
+        the engine thread right after ``take_events``: it must equal what every event taken
+        so far adds up to (no event still untaken), so a subscriber that loads it and then
+        applies the following batches mirrors the tiers exactly."""
+        return {}
 
 
 #: How long an idle engine sleeps between polls of a worker half that does not signal progress.

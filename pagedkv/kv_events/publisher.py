@@ -8,7 +8,8 @@ publishes them and keeps the last ``buffer_steps`` batches for replay::
     -------------                          ----------------
     publish_step(events): seq = n++   ->   queue  ->  encode, PUB [topic, seq, payload], buffer
        queue full: dropped, counted (seq n is never sent: subscribers see a gap)
-       a snapshot asked for: the pool's cached hashes -> queue -> to every client that asked
+       a snapshot asked for: the pool's and the tiers' hashes -> queue -> to every client
+                             that asked
                                            ROUTER: replay from a seq / a snapshot request
 
 A subscriber that lost batches asks for a replay from the first seq it lacks; batches no longer
@@ -62,6 +63,7 @@ class _Snapshot(NamedTuple):
     ts: float
     next_seq: int
     block_hashes: list[list[BlockHash]]
+    tiers: dict[str, list[list[BlockHash]]]
 
 
 class KVEventPublisher:
@@ -116,15 +118,18 @@ class KVEventPublisher:
         self,
         events: list[KVCacheEvent],
         cached_block_hashes: Callable[[], list[list[BlockHash]]],
+        tier_block_hashes: Callable[[], dict[str, list[list[BlockHash]]]] = dict,
     ) -> None:
         """Hand one step's events over (never waits: a full queue drops them, counted); then,
-        if a subscriber asked, the prefix cache's hashes (``cached_block_hashes()``, taken
-        after these events)."""
+        if a subscriber asked, the prefix cache's hashes (``cached_block_hashes()``) and the
+        connector tiers' (``tier_block_hashes()``, by medium), both taken after these events."""
         if events or self._gap:
             self._publish(events)
         if self._snapshot_wanted.is_set():
             self._snapshot_wanted.clear()
-            snapshot = _Snapshot(time.time(), self._next_seq, cached_block_hashes())
+            snapshot = _Snapshot(
+                time.time(), self._next_seq, cached_block_hashes(), tier_block_hashes()
+            )
             try:
                 self._queue.put_nowait(snapshot)
             except queue.Full:

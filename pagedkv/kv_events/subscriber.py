@@ -59,7 +59,9 @@ class KVEventSink(Protocol):
 
     def apply(self, name: str, events: list[WireEvent]) -> None: ...
 
-    def load_snapshot(self, name: str, block_hashes: list[list[bytes]]) -> None: ...
+    def load_snapshot(
+        self, name: str, block_hashes: list[list[bytes]], tiers: dict[str, list[list[bytes]]]
+    ) -> None: ...
 
     def clear(self, name: str) -> None: ...
 
@@ -312,7 +314,7 @@ class KVEventSubscriber:
             if snapshot is None:
                 self._request(feed, "snapshot")
                 return
-            self.sink.load_snapshot(feed.name, snapshot.block_hashes)
+            self.sink.load_snapshot(feed.name, snapshot.block_hashes, snapshot.tiers)
             feed.expected_seq = snapshot.next_seq
         pending, feed.pending = sorted(feed.pending, key=lambda item: item[0]), []
         for seq, batch in pending:

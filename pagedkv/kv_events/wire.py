@@ -14,9 +14,10 @@ A published message is three ZMQ frames::
 The replay socket (a ROUTER) answers vLLM's request, an 8-byte start seq, with every batch
 still buffered from that seq on, as ``[topic, seq, payload]``, then ``END_SEQ`` (seq -1, empty
 frames). Our one addition: the request ``SNAPSHOT_REQUEST`` is answered with one
-``KVCacheSnapshot``, the pool's whole prefix cache taken between two batches (``next_seq``: the
-first batch it does not include), then ``END_SEQ``. Block hashes are bytes (chained xxh3-128 or
-sha256, equal across processes: see ``kv_cache/block_hash.py``). ``medium`` names the tier
+``KVCacheSnapshot``, the pool's whole prefix cache and what each connector tier holds, taken
+between two batches (``next_seq``: the first batch it does not include), then ``END_SEQ``.
+Block hashes are bytes (chained xxh3-128 or sha256, equal across processes: see
+``kv_cache/block_hash.py``). ``medium`` names the tier
 (``kv_cache/kv_events.py``): "GPU" for the instance's own KV cache whatever its device (vLLM's
 name for it), "CPU", "DISK" or "REMOTE" for the offloading connector's tiers.
 """
@@ -69,11 +70,15 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 class KVCacheSnapshot(msgspec.Struct, array_like=True, gc=False):
     """The whole prefix cache between two batches: per KV cache group, the hash of every
-    cached block (a hash twice when two blocks hold it). Batches from ``next_seq`` on follow it."""
+    cached block (a hash twice when two blocks hold it); ``tiers``: the same per medium of the
+    connector's tiers ("CPU", "DISK", ...; {} without any). Batches from ``next_seq`` on
+    follow it. Encoded ``[ts, next_seq, block_hashes, tiers]``: a decoder that knows only the
+    first three ignores the fourth, and a snapshot without it decodes with ``tiers`` {}."""
 
     ts: float
     next_seq: int
     block_hashes: list[list[bytes]]
+    tiers: dict[str, list[list[bytes]]] = msgspec.field(default_factory=dict)
 
 
 def to_wire(event: kv_events.KVCacheEvent) -> WireEvent:

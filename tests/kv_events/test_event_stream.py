@@ -1,6 +1,7 @@
 """The KV event stream, end to end over real ZMQ sockets: a pool's events published in vLLM's
-shape, followed by a subscriber into the proxy's ``KVIndex``, reconstruct the pool's cached set
-exactly, through evictions, prefix-cache resets, dropped batches and a publisher restart."""
+shape, with a connector's tier events after them, followed by a subscriber into the proxy's
+``KVIndex``, reconstruct the pool's cached set and each tier's exactly, through evictions,
+prefix-cache resets, dropped batches and a publisher restart."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.entrypoints.proxy.kv_index import KVIndex
+from pagedkv.kv_cache import kv_events
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.feed import FeedAddress
 from pagedkv.kv_events.publisher import KVEventPublisher
@@ -24,6 +26,8 @@ from tests.kv_cache.helpers import Req, decode, full_spec, make_hasher, make_man
 
 BS = 4
 STEMS = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
+#: What the simulated connector tiers hold blocks of (any hashes do: the index keys by hash).
+TIER_HASHES = [bytes([i]) * 16 for i in range(6)]
 
 
 def config(**kw) -> KVEventsConfig:
@@ -46,7 +50,8 @@ def wait_until(condition, step=lambda: None, timeout_s: float = 10.0) -> None:
 
 
 class Instance:
-    """A KV cache manager whose steps publish their events, as the engine's do."""
+    """A KV cache manager and a connector's tiers (simulated: hash counts per medium) whose
+    steps publish their events, as the engine's do."""
 
     def __init__(self, num_blocks: int, **publisher_config) -> None:
         self.mgr = make_manager(full_spec(BS), num_blocks=num_blocks, enable_kv_cache_events=True)
@@ -54,9 +59,31 @@ class Instance:
         self.publisher = KVEventPublisher(config(**publisher_config))
         self.running: list[Req] = []
         self.next_id = 0
+        self.tiers: dict[str, Counter] = {kv_events.CPU: Counter(), kv_events.DISK: Counter()}
+        self.tier_events: list[kv_events.KVCacheEvent] = []
 
     def step(self) -> None:
-        self.publisher.publish_step(self.mgr.take_events(), self.mgr.cached_block_hashes)
+        events, self.tier_events = self.mgr.take_events() + self.tier_events, []
+        self.publisher.publish_step(events, self.mgr.cached_block_hashes, self.tier_hashes)
+
+    def tier_hashes(self) -> dict[str, list[list[bytes]]]:
+        return {medium: [list(held.elements())] for medium, held in self.tiers.items()}
+
+    def tier_cached(self, medium: str) -> Counter:
+        return Counter({(0, h): n for h, n in self.tiers[medium].items()})
+
+    def change_tier(self, medium: str, store: bool, picks: list[int]) -> None:
+        held = self.tiers[medium]
+        for block_hash in (TIER_HASHES[i] for i in picks):
+            if store:
+                held[block_hash] += 1
+                event = kv_events.BlockStored((block_hash,), None, (1,) * BS, BS, 0, medium)
+            elif held[block_hash]:
+                held[block_hash] -= 1
+                event = kv_events.BlockRemoved((block_hash,), 0, medium)
+            else:
+                continue
+            self.tier_events.append(event)
 
     def run(self, op: tuple) -> None:
         kind, *args = op
@@ -75,6 +102,8 @@ class Instance:
                 self.finish(req)
         elif kind == "finish" and self.running:
             self.finish(self.running[args[0] % len(self.running)])
+        elif kind == "tier":
+            self.change_tier(*args)
         elif kind == "reset":
             for req in list(self.running):
                 self.finish(req)
@@ -96,6 +125,12 @@ OPS = st.one_of(
     st.tuples(st.just("decode"), st.integers(0, 5), st.integers(0, 5)),
     st.tuples(st.just("finish"), st.integers(0, 5)),
     st.just(("reset",)),
+    st.tuples(
+        st.just("tier"),
+        st.sampled_from([kv_events.CPU, kv_events.DISK]),
+        st.booleans(),
+        st.lists(st.integers(0, len(TIER_HASHES) - 1), max_size=4),
+    ),
 )
 
 
@@ -111,13 +146,14 @@ OPS = st.one_of(
     buffer_steps=st.sampled_from([1, 4, 10_000]),
     start_after=st.integers(0, 10),
 )
-def test_events_reconstruct_the_pool_exactly(
+def test_events_reconstruct_the_pool_and_the_tiers_exactly(
     ops, num_blocks, max_queue_size, buffer_steps, start_after
 ) -> None:
-    """Random arrivals (with prefix hits and evictions in a small pool), decodes, finishes and
-    prefix-cache resets; the publisher thread starts only after ``start_after`` steps, so a
-    small queue drops batches (and a small replay buffer cannot replay them). Once the stream
-    is quiet, the index holds exactly what the pool holds."""
+    """Random arrivals (with prefix hits and evictions in a small pool), decodes, finishes,
+    prefix-cache resets (the tiers keep their blocks) and tier stores and removals; the
+    publisher thread starts only after ``start_after`` steps, so a small queue drops batches
+    (and a small replay buffer cannot replay them). Once the stream is quiet, the index holds
+    exactly what the pool holds, and what each tier holds."""
     instance = Instance(num_blocks, max_queue_size=max_queue_size, buffer_steps=buffer_steps)
     publisher = instance.publisher
     index = KVIndex()
@@ -135,10 +171,12 @@ def test_events_reconstruct_the_pool_exactly(
             stats = subscriber.stats.get("i")
             return stats is not None and stats.synced
 
-        wait_until(
-            lambda: synced() and index.cached("i") == pool_cached(instance.mgr),
-            step=instance.step,
-        )
+        def mirrored() -> bool:
+            return index.cached("i") == pool_cached(instance.mgr) and all(
+                index.cached("i", m) == instance.tier_cached(m) for m in instance.tiers
+            )
+
+        wait_until(lambda: synced() and mirrored(), step=instance.step)
         instance.mgr.check_integrity()
         stats = subscriber.stats["i"]
         event(f"dropped batches: {publisher.get_stats()['num_dropped_batches'] > 0}")
@@ -160,7 +198,8 @@ def raw_subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 def test_wire_shape_is_vllms_and_replay_and_snapshot_answer_on_the_router() -> None:
     """Frames [topic, 8-byte big-endian seq, msgpack [ts, [events]]], events as maps tagged
     "type" with vLLM's field names; the replay socket answers a start seq with the buffered
-    batches then seq -1, and our snapshot request with the cached hashes then seq -1."""
+    batches then seq -1, and our snapshot request with the cached hashes (and the tiers') then
+    seq -1."""
     instance = Instance(num_blocks=20, topic="kv")
     publisher = instance.publisher
     publisher.start()
@@ -207,8 +246,9 @@ def test_wire_shape_is_vllms_and_replay_and_snapshot_answer_on_the_router() -> N
         dealer.send_multipart([b"", SNAPSHOT_REQUEST])
         wait_until(lambda: dealer.poll(0), step=instance.step)
         _, topic, next_seq, body = dealer.recv_multipart()
-        ts, next_seq_in_body, block_hashes = msgspec.msgpack.decode(body)
+        ts, next_seq_in_body, block_hashes, tiers = msgspec.msgpack.decode(body)
         assert int.from_bytes(next_seq, "big") == next_seq_in_body
+        assert tiers == {"CPU": [[]], "DISK": [[]]}  # the connector's tiers, empty here
         assert Counter(block_hashes[0]) == Counter(instance.mgr.cached_block_hashes()[0])
         assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
         dealer.close(linger=0)
@@ -255,6 +295,7 @@ def test_a_restarted_publisher_is_followed_from_a_fresh_snapshot() -> None:
             KVEventsConfig(enable_kv_cache_events=True, **config_kw)
         )
         second.running, second.next_id = [], 0
+        second.tiers, second.tier_events = {}, []
         second.publisher.start()
         for n in range(3):
             second.run(("arrive", 2, 12 + n, []))

@@ -125,6 +125,12 @@ def test_predicted_overlap_equals_each_replicas_measured_prefix_hit(replicas) ->
     live = replicas.proxy.instances()["replica"]
     assert all(i["kv_index"]["synced"] and i["kv_index"]["state"] == "live" for i in live)
     assert sum(i["kv_index"]["cached_blocks"] for i in live) > 0
+    # No offloading tier: the pool is the only medium, in /instances and /metrics alike.
+    for i in live:
+        by_medium = i["kv_index"]["cached_blocks_by_medium"]
+        assert by_medium == {"GPU": i["kv_index"]["cached_blocks"]}
+        gauge = f'pagedkv:proxy_kv_index_cached_blocks{{instance="{i["engine_id"]}",medium="GPU"}}'
+        assert gauge in metrics
 
 
 def test_a_replica_restarted_under_load_loses_no_request_and_routing_recovers(replicas) -> None:

@@ -34,10 +34,11 @@ def instance(name: str, role: str = "plain", running: int = 0, fingerprint: str 
     return Instance(PeerAddr(name, "127.0.0.1", 1), info, time.monotonic())
 
 
-def store(index: KVIndex, name: str, token_ids: list[int]) -> None:
-    """``name`` caches every full block of ``token_ids``, as its pool's event would say."""
+def store(index: KVIndex, name: str, token_ids: list[int], medium: str = "GPU") -> None:
+    """``name`` caches every full block of ``token_ids`` in ``medium``, as its pool's (or its
+    connector's tier's) event would say."""
     hashes = BlockHasher(BS).hash_token_ids(token_ids)
-    stored = BlockStored(hashes, None, token_ids[: len(hashes) * BS], BS, None, "GPU", None, 0)
+    stored = BlockStored(hashes, None, token_ids[: len(hashes) * BS], BS, None, medium, None, 0)
     index.apply(name, [stored])
 
 
@@ -73,6 +74,55 @@ def test_kv_aware_picks_the_cached_prefix_until_load_outweighs_it(tokenizer) -> 
     # The last prompt token is never a hit: a whole cached prompt predicts 96, not 100.
     store(index, "a", PROMPT)
     assert router.route(Prompt(PROMPT)).predicted_hit_tokens == 96
+
+
+LONG = list(range(10, 410))  # 400 tokens: 384 can hit, a tier's cost well past a near-tie
+
+
+def test_kv_aware_credits_a_hit_by_its_tier(tokenizer) -> None:
+    """A host-tier hit beats no hit, a pool hit beats a host hit, a host hit beats a disk hit;
+    the cost of each prompt token is where it is (pool 0, CPU 0.1, DISK 0.3, none 1)."""
+    a, b, c = instance("a"), instance("b"), instance("c")
+    router, index = kv_router([a, b, c], tokenizer, load_weight=0.0)
+    store(index, "b", LONG, "CPU")
+    store(index, "c", LONG[:192])  # c: the first 12 blocks in its pool, the rest in its tier
+    store(index, "c", LONG, "CPU")
+    hits = router.policy.hit_tokens(Prompt(LONG), [a, b, c])
+    assert hits == {"a": {}, "b": {"CPU": 384}, "c": {"GPU": 192, "CPU": 192}}
+    costs = [router.policy.cost(i, len(LONG), hits) for i in (a, b, c)]
+    assert costs == pytest.approx([400, 16 + 38.4, 16 + 19.2])
+    route = router.route(Prompt(LONG))
+    assert (route.d.engine_id, route.predicted_hit_tokens) == ("c", 384)
+
+    router, index = kv_router([a, b], tokenizer, load_weight=0.0)
+    store(index, "b", LONG, "CPU")
+    assert router.route(Prompt(LONG)).d.engine_id == "b"  # a host hit over nothing
+    router, index = kv_router([a, b], tokenizer, load_weight=0.0)
+    store(index, "a", LONG)
+    store(index, "b", LONG, "CPU")
+    router.recent_work.add("a", 10_000)  # no tie: lately's work does not decide
+    assert router.route(Prompt(LONG)).d.engine_id == "a"  # a pool hit over a host hit
+    router, index = kv_router([a, b], tokenizer, load_weight=0.0)
+    store(index, "a", LONG, "DISK")
+    store(index, "b", LONG, "CPU")
+    assert router.route(Prompt(LONG)).d.engine_id == "b"  # host over disk
+
+
+def test_kv_tier_costs_are_configurable(tokenizer) -> None:
+    """``--kv-tier-cost CPU=1``: a host hit saves nothing, so it ties with no hit (recent work
+    decides), yet it is still predicted as a hit."""
+    a, b = instance("a"), instance("b")
+    costs = {"GPU": 0.0, "CPU": 1.0}
+    router, index = kv_router([a, b], tokenizer, load_weight=0.0, tier_costs=costs)
+    store(index, "b", LONG, "CPU")
+    router.recent_work.add("b", 1000)
+    route = router.route(Prompt(LONG))
+    assert (route.d.engine_id, route.predicted_hit_tokens) == ("a", 0)
+    router, index = kv_router([a, b], tokenizer, load_weight=0.0, tier_costs=costs)
+    store(index, "b", LONG, "CPU")
+    router.recent_work.add("a", 1000)
+    route = router.route(Prompt(LONG))
+    assert (route.d.engine_id, route.predicted_hit_tokens) == ("b", 384)
 
 
 def test_ties_go_to_the_least_recent_work_then_at_random(tokenizer) -> None:
@@ -237,8 +287,9 @@ def test_the_proxy_tokenizer_logs_no_length_warning(caplog) -> None:
     assert "Token indices sequence length" not in caplog.text
 
 
-def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> None:
-    """The proxy connects to what an instance registers: only tcp://host:port is accepted."""
+def test_a_registration_with_a_bad_events_endpoint_hashing_or_tiers_is_refused() -> None:
+    """The proxy connects to what an instance registers: only tcp://host:port is accepted;
+    and it shows what it registers: a few KV tiers, each a short name and a capacity."""
     base = dict(role="plain", http_url="http://127.0.0.1:1", model="m", fingerprint="fp")
     for bad in ("tcp://*:5557", "ipc:///tmp/x", "tcp://host", "tcp://a b:1", "http://h:1"):
         with pytest.raises(ValueError, match="kv_events_endpoint"):
@@ -248,3 +299,10 @@ def test_a_registration_with_a_bad_events_endpoint_or_hashing_is_refused() -> No
     with pytest.raises(ValueError, match="role"):
         Register(**{**base, "role": "replica"})
     assert Register(**base, kv_events_endpoint="tcp://127.0.0.1:5557").kv_events_endpoint
+    tiers = {f"T{i}": 1 for i in range(9)}
+    for bad in ({"CPU": -1}, {"": 1}, {"C" * 33: 1}, {"a\nb": 1}, tiers):
+        with pytest.raises(ValueError, match="kv_tiers"):
+            Register(**base, kv_tiers=bad)
+    good = instance("a")
+    good.info = Register(**base, kv_tiers={"CPU": 4096, "DISK": 1 << 20})
+    assert good.describe()["kv_tiers"] == {"CPU": 4096, "DISK": 1 << 20}  # in /instances

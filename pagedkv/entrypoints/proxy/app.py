@@ -31,6 +31,7 @@ from pagedkv.entrypoints.proxy.registry import Instance, InstanceRegistry
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES, Router
 from pagedkv.entrypoints.proxy.upstream import ProxyConfig
 from pagedkv.entrypoints.serving.draining_server import DrainingServer
+from pagedkv.kv_cache.kv_events import GPU
 from pagedkv.kv_events.feed import FeedAddress
 from pagedkv.kv_events.subscriber import KVEventSubscriber
 from pagedkv.transport.codec import SECRET_ENV
@@ -69,7 +70,7 @@ def build_proxy_app(registry: InstanceRegistry, router: Router, config: ProxyCon
     index = router.kv_index
     subscriber = follow_kv_events(registry, index) if index is not None else None
     if subscriber is not None:
-        metrics.watch_index(index.num_cached_blocks, lambda: dict(subscriber.stats))
+        metrics.watch_index(index.cached_blocks_by_medium, lambda: dict(subscriber.stats))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -122,8 +123,10 @@ def _client_api(proxy: PDProxy, subscriber: KVEventSubscriber | None) -> APIRout
         if subscriber is not None:
             assert router.kv_index is not None
             feed = subscriber.stats.get(instance.engine_id)
+            by_medium = router.kv_index.cached_blocks_by_medium(instance.engine_id)
             described["kv_index"] = {
-                "cached_blocks": router.kv_index.num_cached_blocks(instance.engine_id),
+                "cached_blocks": by_medium[GPU],
+                "cached_blocks_by_medium": by_medium,
                 **(feed.describe() if feed is not None else {"state": "no KV events"}),
             }
         return described
@@ -197,6 +200,7 @@ def run_proxy(args) -> None:
         kv_index=KVIndex() if needs_kv_index else None,
         tokenizer=tokenizer,
         load_weight=args.load_weight,
+        tier_costs=args.kv_tier_cost,
         disagg_threshold=args.disagg_threshold,
     )
     app = build_proxy_app(registry, router, config)

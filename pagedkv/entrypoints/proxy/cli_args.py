@@ -8,6 +8,11 @@ import os
 from pagedkv.arg_types import non_negative_float, non_negative_int, positive_float, positive_int
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
 from pagedkv.entrypoints.proxy.router import ROUTING_POLICIES
+from pagedkv.entrypoints.proxy.tier_costs import (
+    DEFAULT_TIER_COSTS,
+    format_tier_costs,
+    parse_tier_costs,
+)
 
 #: ProxyConfig.fallback's values (here too, so ``--help`` imports nothing heavy).
 FALLBACKS = ("none", "local")
@@ -27,12 +32,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--registry-port", type=int, default=30001, help="registry port (default: %(default)s)"
     )
+    _add_routing_args(g)
+    _add_upstream_args(g)
+    g.add_argument(
+        "--shutdown-timeout",
+        type=positive_float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
+        "ended with an error (default: %(default)s)",
+    )
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _add_routing_args(g: argparse._ArgumentGroup) -> None:
+    """How requests are routed, and what the router reads to route them."""
     g.add_argument(
         "--routing",
         default="round_robin",
         choices=ROUTING_POLICIES,
-        help="kv_aware: the instance (and P) with the fewest uncached prompt tokens plus "
-        "--load-weight x its load, from the instances' KV events; ties (within a block) go "
+        help="kv_aware: the instance (and P) with the fewest uncached prompt tokens (one held "
+        "in a tier below its pool counts as --kv-tier-cost of one) plus --load-weight x its "
+        "load, from the instances' KV events; ties (within a block) go "
         "to the one sent the fewest tokens to compute lately (default: %(default)s)",
     )
     g.add_argument(
@@ -41,6 +61,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=32.0,
         help="kv_aware: prompt tokens one request in flight at an instance is worth "
         "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--kv-tier-cost",
+        type=parse_tier_costs,
+        default=dict(DEFAULT_TIER_COSTS),
+        metavar="MEDIUM=COST[,...]",
+        help="kv_aware: what serving a prompt token from each KV tier costs, as a fraction of "
+        "recomputing it (GPU: the instance's pool; CPU, DISK, REMOTE: its offloading tiers); "
+        "the media given replace their defaults (default: "
+        f"{format_tier_costs(DEFAULT_TIER_COSTS)})",
     )
     g.add_argument(
         "--disagg-threshold",
@@ -55,15 +85,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the instances' tokenizer, for kv_aware and --disagg-threshold (default: the "
         "built-in model's)",
     )
-    _add_upstream_args(g)
-    g.add_argument(
-        "--shutdown-timeout",
-        type=positive_float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are "
-        "ended with an error (default: %(default)s)",
-    )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _add_upstream_args(g: argparse._ArgumentGroup) -> None:

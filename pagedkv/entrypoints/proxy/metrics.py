@@ -4,7 +4,8 @@ A request answered whole by one instance (a replica, or a D prefilling itself) w
 reports ``usage.prompt_tokens_details.cached_tokens`` (non-streamed, or streamed with
 ``stream_options.include_usage``) adds its predicted hit tokens and the instance's realized
 ones to the two counters, so their ratio is the index's accuracy; a wrong prediction costs
-only recompute. Per instance: the index's cached block count and the KV event feed's health.
+only recompute. Per instance: the index's cached block count per medium (its pool "GPU", its
+tiers "CPU", "DISK", ...) and the KV event feed's health.
 """
 
 from __future__ import annotations
@@ -70,16 +71,21 @@ class ProxyMetrics:
             self.exact_predictions.inc()
 
     def watch_index(
-        self, cached_blocks: Callable[[str], int], feeds: Callable[[], dict[str, FeedStats]]
+        self,
+        cached_blocks: Callable[[str], dict[str, int]],
+        feeds: Callable[[], dict[str, FeedStats]],
     ) -> None:
         self.registry.register(_IndexCollector(cached_blocks, feeds))
 
 
 class _IndexCollector:
-    """Per instance: blocks in the index, the feed's lag, gaps, replays and snapshots."""
+    """Per instance: blocks in the index per medium, the feed's lag, gaps, replays and
+    snapshots."""
 
     def __init__(
-        self, cached_blocks: Callable[[str], int], feeds: Callable[[], dict[str, FeedStats]]
+        self,
+        cached_blocks: Callable[[str], dict[str, int]],
+        feeds: Callable[[], dict[str, FeedStats]],
     ) -> None:
         self._cached_blocks = cached_blocks
         self._feeds = feeds
@@ -88,8 +94,8 @@ class _IndexCollector:
         feeds = self._feeds()
         blocks = GaugeMetricFamily(
             "pagedkv:proxy_kv_index_cached_blocks",
-            "Blocks the KV index holds for the instance.",
-            labels=["instance"],
+            "Blocks the KV index holds for the instance, by medium (GPU: its pool).",
+            labels=["instance", "medium"],
         )
         lag = GaugeMetricFamily(
             "pagedkv:proxy_kv_events_lag_seconds",
@@ -103,7 +109,8 @@ class _IndexCollector:
             for name in ("batches", "gaps", "replays", "snapshots", "restarts", "reconnects")
         }
         for name, stats in feeds.items():
-            blocks.add_metric([name], self._cached_blocks(name))
+            for medium, num_blocks in self._cached_blocks(name).items():
+                blocks.add_metric([name, medium], num_blocks)
             lag.add_metric([name], stats.last_lag_s or 0.0)
             for counter, family in counters.items():
                 family.add_metric([name], getattr(stats, f"num_{counter}"))

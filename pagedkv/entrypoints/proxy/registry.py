@@ -81,6 +81,7 @@ class Instance:
             if self.info.hash_algo
             else "off",
             "kv_events_endpoint": self.info.kv_events_endpoint or None,
+            "kv_tiers": self.info.kv_tiers,
             "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
         }
 

@@ -22,10 +22,11 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from pagedkv.entrypoints.proxy.recent_work import RecentWork
+from pagedkv.entrypoints.proxy.tier_costs import DEFAULT_TIER_COSTS, tier_cost
 
 if TYPE_CHECKING:
     from pagedkv.entrypoints.proxy.kv_index import KVIndex
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 #: 16: a chat template's header that every prompt shares is no reason to pile new prefixes on
 #: one instance; sent elsewhere, a request recomputes at most this much once.
 NEAR_TIE_TOKENS = 16
+
+#: An instance's cached prefix of a prompt, in tokens by the medium that serves each
+#: (``{"GPU": 32, "CPU": 16}``: 48 tokens, the first 32 from its pool).
+TierTokens = dict[str, int]
 
 
 class Prompt(NamedTuple):
@@ -68,13 +73,17 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def rank(
-        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, TierTokens],
     ) -> list[Instance]:
         """``instances`` (not empty, sorted by engine id), best first."""
 
-    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
-        """Each instance's cached prefix of the prompt, in tokens ({}: the policy does not
-        look)."""
+    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, TierTokens]:
+        """Each instance's cached prefix of the prompt, in tokens by medium ({}: the policy
+        does not look)."""
         return {}
 
     def expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
@@ -90,7 +99,11 @@ class RoundRobin(RoutingPolicy):
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
 
     def rank(
-        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, TierTokens],
     ) -> list[Instance]:
         start = next(self._turns[role]) % len(instances)
         return instances[start:] + instances[:start]
@@ -101,7 +114,11 @@ class LeastLoaded(RoutingPolicy):
     reported running and waiting in its last heartbeat."""
 
     def rank(
-        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, TierTokens],
     ) -> list[Instance]:
         in_flight = self.router.in_flight
         return sorted(
@@ -112,11 +129,12 @@ class LeastLoaded(RoutingPolicy):
 
 class KVAware(LeastLoaded):
     """The lowest cost = the prompt tokens the instance lacks (its cached prefix from
-    ``KVIndex``) + ``load_weight`` × its load (heartbeat's running and waiting + this proxy's
-    in flight). Costs within ``NEAR_TIE_TOKENS`` of the lowest are ties, broken by
-    ``RecentWork`` (the fewest prompt tokens sent to compute lately first), then at random. D
-    is chosen by its own cached prefix (D asks P only for the blocks it lacks), P by its own.
-    Without a prompt: least loaded.
+    ``KVIndex``) + the tokens it holds in a tier below its pool, each at its tier's fraction of
+    a recompute (``tier_costs``: ``--kv-tier-cost``) + ``load_weight`` × its load (heartbeat's
+    running and waiting + this proxy's in flight). Costs within ``NEAR_TIE_TOKENS`` of the
+    lowest are ties, broken by ``RecentWork`` (the fewest prompt tokens sent to compute lately
+    first), then at random. D is chosen by its own cached prefix (D asks P only for the blocks
+    it lacks), P by its own. Without a prompt: least loaded.
 
     Why ties need more than load: a prompt no instance holds costs the same everywhere, and
     when requests come one at a time every load is 0, so a random pick can put most new
@@ -134,7 +152,11 @@ class KVAware(LeastLoaded):
         self.kv_index, self.tokenizer = router.kv_index, router.tokenizer
 
     def rank(
-        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, TierTokens],
     ) -> list[Instance]:
         """The instances tied with the lowest cost, the least recent work first, then the
         others, the lowest cost first."""
@@ -149,16 +171,21 @@ class KVAware(LeastLoaded):
         others.sort(key=lambda i: costs[i.engine_id])
         return tied + others
 
-    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, int]) -> float:
-        """Prompt tokens ``instance`` lacks + ``load_weight`` × its load (lowest wins)."""
+    def cost(self, instance: Instance, num_tokens: int, hits: dict[str, TierTokens]) -> float:
+        """Prompt tokens ``instance`` lacks + its tier hits at their tiers' cost +
+        ``load_weight`` × its load (lowest wins). A pool hit costs nothing."""
         info = instance.info
         load = info.num_running + info.num_waiting + self.router.in_flight[instance.engine_id]
-        return num_tokens - hits.get(instance.engine_id, 0) + self.router.load_weight * load
+        tiers = hits.get(instance.engine_id, {})
+        costs = self.router.tier_costs
+        loaded = sum(tokens * tier_cost(costs, medium) for medium, tokens in tiers.items())
+        uncached = num_tokens - sum(tiers.values())
+        return uncached + loaded + self.router.load_weight * load
 
-    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, int]:
+    def hit_tokens(self, prompt: Prompt | None, instances: list[Instance]) -> dict[str, TierTokens]:
         if prompt is None:
             return {}
-        hits: dict[str, int] = {i.engine_id: 0 for i in instances}
+        hits: dict[str, TierTokens] = {i.engine_id: {} for i in instances}
         by_hashing: dict[tuple[int, str], list[str]] = {}
         for instance in instances:
             if instance.info.hash_algo:
@@ -169,8 +196,9 @@ class KVAware(LeastLoaded):
             hashes = self.tokenizer.block_hashes(
                 prompt.token_ids[:-1], block_size, algo, prompt.cache_salt
             )
-            for name, num_blocks in self.kv_index.overlap(hashes, names).items():
-                hits[name] = num_blocks * block_size
+            overlap = self.kv_index.overlap(hashes, names, self.router.tier_costs)
+            for name, by_medium in overlap.items():
+                hits[name] = {medium: n * block_size for medium, n in by_medium.items()}
         return hits
 
     def expect(self, prompt: Prompt | None, instance: Instance, hit_tokens: int | None) -> None:
@@ -200,6 +228,7 @@ class Router:
         kv_index: KVIndex | None = None,
         tokenizer: PromptTokenizer | None = None,
         load_weight: float = 32.0,
+        tier_costs: Mapping[str, float] = DEFAULT_TIER_COSTS,
         disagg_threshold: int = 0,
         seed: int | None = None,
     ) -> None:
@@ -209,6 +238,7 @@ class Router:
         self.kv_index = kv_index
         self.tokenizer = tokenizer
         self.load_weight = load_weight
+        self.tier_costs = tier_costs
         self.disagg_threshold = disagg_threshold
         self.in_flight: Counter[str] = Counter()
         self.recent_work = RecentWork()
@@ -238,7 +268,7 @@ class Router:
         answerers = [i for i in live if i.answers]
         hits = self.policy.hit_tokens(prompt, answerers)
         for d in self._rank(answerers, "decode", prompt, hits):
-            predicted = hits.get(d.engine_id)
+            predicted = _total(hits, d)
             if d.is_replica or alone or self._prefills_itself(prompt, predicted):
                 self.policy.expect(prompt, d, predicted)
                 return Route(d, None, predicted)
@@ -248,7 +278,7 @@ class Router:
                 p_hits = self.policy.hit_tokens(prompt, compatible)
                 p = self._rank(compatible, "prefill", prompt, p_hits)[0]
                 self.policy.expect(prompt, d, predicted)
-                self.policy.expect(prompt, p, p_hits.get(p.engine_id))
+                self.policy.expect(prompt, p, _total(p_hits, p))
                 return Route(d, p, predicted)
         return None
 
@@ -259,7 +289,11 @@ class Router:
         return len(prompt.token_ids) - (hit_tokens or 0) < self.disagg_threshold
 
     def _rank(
-        self, instances: list[Instance], role: str, prompt: Prompt | None, hits: dict[str, int]
+        self,
+        instances: list[Instance],
+        role: str,
+        prompt: Prompt | None,
+        hits: dict[str, TierTokens],
     ) -> list[Instance]:
         """``instances``, best first, by the policy."""
         instances = sorted(instances, key=lambda i: i.engine_id)
@@ -319,6 +353,12 @@ class Router:
         self.in_flight[instance.engine_id] -= 1
         if self.in_flight[instance.engine_id] <= 0:
             del self.in_flight[instance.engine_id]
+
+
+def _total(hits: dict[str, TierTokens], instance: Instance) -> int | None:
+    """``instance``'s predicted hit in tokens, every tier's (None: the policy did not look)."""
+    tiers = hits.get(instance.engine_id)
+    return None if tiers is None else sum(tiers.values())
 
 
 def _peers(instance: Instance, live: list[Instance]) -> tuple[str, list[Instance]]:

@@ -11,7 +11,8 @@ P2P connector (role ``plain``: a replica, never paired) its HTTP address; the me
 role, HTTP URL, model, model fingerprint and KV layout (the proxy pairs only equal
 fingerprints, and says why others do not pair), whether it signs its messages, its load, and
 what a KV-aware router needs: the prefix-cache hash algorithm and block size, the number of KV
-cache groups, where its KV events are published, and a boot id (a new one: a restarted
+cache groups, where its KV events are published, its KV tiers (medium and capacity), and a
+boot id (a new one: a restarted
 process, whose cache is new). Messages use the connector's Codec (size limits, version,
 namespace check, HMAC-SHA256 when a secret is set), so a rogue process without the secret can't
 register itself and receive prompts. An instance not heard from for ``timeout_s`` drops out;
@@ -38,6 +39,8 @@ REGISTRY_NAMESPACE = "pagedkv-registry-v1"
 MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
 #: An instance without a pairing KV connector: it serves requests whole (data parallel).
 PLAIN_ROLE = "plain"
+#: KV tiers a registration may name.
+MAX_KV_TIERS = 8
 #: What an instance registers as: plain, or its connector's ``kv_role``.
 ROLES = (PLAIN_ROLE, *map(str, KVRole))
 
@@ -69,6 +72,9 @@ class Register(msgspec.Struct, frozen=True):
     kv_events_topic: str = ""
     #: Random per process: a new one means the instance restarted (its cache is new).
     boot_id: str = ""
+    #: Its connector's KV tiers below the pool: medium ("CPU", "DISK", ...) -> capacity in
+    #: blocks.
+    kv_tiers: dict[str, int] = {}
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -90,6 +96,19 @@ class Register(msgspec.Struct, frozen=True):
             )
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             check_zmq_endpoint(name, getattr(self, name))
+        check_kv_tiers(self.kv_tiers)
+
+
+def check_kv_tiers(kv_tiers: dict[str, int]) -> None:
+    """At most ``MAX_KV_TIERS`` tiers, each a short name and a capacity >= 0."""
+    if len(kv_tiers) > MAX_KV_TIERS or not all(
+        0 < len(medium) <= 32 and medium.isprintable() and capacity >= 0
+        for medium, capacity in kv_tiers.items()
+    ):
+        raise ValueError(
+            f"kv_tiers must be at most {MAX_KV_TIERS} media (names of 1-32 characters) with a "
+            f"capacity >= 0, got {str(kv_tiers):.80}"
+        )
 
 
 def check_zmq_endpoint(name: str, endpoint: str) -> None:
