@@ -17,7 +17,8 @@ Semantics (vLLM's MultiConnector's, plus what this engine's contract asks):
   counted by the worker half).
 - ``kv_transfer_params``: the children's answers merged key by key; a key set by an earlier
   child is kept (children in order).
-- Stats: each child's, prefixed by its word (``stats.py``); events: the children's, in order;
+- Stats: each child's, prefixed by its word (``stats.py``); events, tier hashes and tier
+  capacities: the children's, in order;
   ``peer_address``: the first child's that is not None.
 """
 
@@ -155,6 +156,12 @@ class MultiConnector(KVConnectorBase):
 
     def take_events(self) -> list[KVCacheEvent]:
         return [event for child in self.connectors for event in child.take_events()]
+
+    def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
+        return {m: h for c in self.connectors for m, h in c.tier_block_hashes().items()}
+
+    def tier_capacities(self) -> dict[str, int]:
+        return {m: n for c in self.connectors for m, n in c.tier_capacities().items()}
 
     def get_kv_connector_stats(self) -> dict[str, int | float]:
         stats = [child.get_kv_connector_stats() for child in self.connectors]

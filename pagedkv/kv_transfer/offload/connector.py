@@ -333,6 +333,10 @@ class OffloadingConnector(KVConnectorBase):
     def tier_block_hashes(self) -> dict[str, list[list[bytes]]]:
         return {index.medium: index.block_hashes(self.num_groups) for index in self.tiers.values()}
 
+    def tier_capacities(self) -> dict[str, int]:
+        """The host and disk tiers' capacity in blocks (the remote tier's is the store's)."""
+        return {index.medium: index.capacity_blocks for index in self.tiers.values()}
+
     def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
         stats: dict[str, int | float | HistogramStat] = {
             "num_external_prefix_cache_queries": self.num_external_queries,

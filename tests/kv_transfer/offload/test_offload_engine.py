@@ -86,3 +86,28 @@ def test_tiers_never_exceed_their_capacity_and_evict(make_llm, tmp_path):
     stats = llm.llm_engine.get_kv_connector_stats()
     assert stats["num_offload_cpu_evictions"] > 0 and stats["num_offload_disk_evictions"] > 0
     assert_tiers_idle(llm)
+
+
+def test_the_tiers_are_described_through_a_multi_connector(make_llm, tmp_path):
+    """Registration (``kv_tiers``) and KV-event snapshots see the tiers of a child too."""
+    store = {
+        "kv_connector": "StoreConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store_url": (tmp_path / "store").as_uri()},
+    }
+    tiers = offloading(cpu_tier(), disk_tier(tmp_path / "kv"))
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [tiers, store]},
+    }
+    llm = make_llm("llama", **SMALL_POOL, kv_transfer_config=multi)
+    generate_each(llm, PROMPTS[:2])
+    offload = llm.llm_engine.scheduler.connector.connectors[0]
+    assert llm.llm_engine.description.kv_tiers == {
+        "CPU": offload.tiers["cpu"].capacity_blocks,
+        "DISK": offload.tiers["disk"].capacity_blocks,
+    }
+    hashes = llm.llm_engine.scheduler.connector.tier_block_hashes()
+    assert len(hashes["CPU"][0]) == 2 * 6
+    assert len(offload.tiers["cpu"]) == 12
