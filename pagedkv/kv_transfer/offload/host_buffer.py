@@ -30,6 +30,15 @@ class HostBuffer:
     ) -> None:
         """Copy pool blocks ``block_ids`` (one group's) into ``slots``."""
         device = kv_caches[layout.layer_indices[0]].device
+        if device.type == "cpu":  # one gather and one scatter per layer, no staging
+            rows = self.rows[:, : layout.payload_size].reshape(
+                len(self.rows), len(layout.layer_indices), *layout.layer_block_shape
+            )
+            assert np.may_share_memory(rows, self.rows), "a slot's payload must reshape in place"
+            for j, layer in enumerate(layout.layer_indices):
+                blocks = kv_caches[layer].view(torch.uint8).numpy()[:, block_ids]
+                rows[slots, j] = blocks.swapaxes(0, 1)
+            return
         snapshot = layout.snapshot(kv_caches, torch.tensor(block_ids, device=device))
         snapshot = [layer_blocks.cpu() for layer_blocks in snapshot]
         staging = np.empty((len(block_ids), layout.payload_size), dtype=np.uint8)
