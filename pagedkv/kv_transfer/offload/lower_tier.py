@@ -34,7 +34,12 @@ class LowerTier:
         self.recent_keys = RecentKeys()
         self.write_stats = StoreStats()
         self.writer = BlockWriter(
-            backend, self.write_stats, self.recent_keys, max_queued_bytes, on_stored
+            backend,
+            self.write_stats,
+            self.recent_keys,
+            max_queued_bytes,
+            on_stored,
+            background=True,
         )
         self.num_backpressured = 0
         self._local = threading.local()

@@ -13,7 +13,9 @@ store. ``submit_delete`` queues keys to delete behind the puts already queued.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -64,9 +66,14 @@ class BlockWriter:
         recent_keys: RecentKeys,
         max_queued_bytes: int,
         on_stored: Callable[[list[str], bool], None] | None = None,
+        background: bool = False,
     ) -> None:
         self.backend = backend
         self.on_stored = on_stored
+        #: Run at the lowest CPU priority (nice 19): the writer then takes the cycles the
+        #: engine leaves idle, and when there are none it falls behind and stores are dropped,
+        #: instead of slowing every step (a cache's stores, not a handoff someone waits for).
+        self.background = background
         self.stats = stats
         self.recent_keys = recent_keys
         self.max_queued_bytes = max_queued_bytes
@@ -125,6 +132,9 @@ class BlockWriter:
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        if self.background:
+            with contextlib.suppress(OSError):  # best effort (no per-thread nice: runs as is)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         while (job := self._queue.get()) is not None:
             if isinstance(job, threading.Event):
                 job.set()
