@@ -66,6 +66,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._report = OffloadReport()
         self._finished: set[str] = set()
         self._invalid: set[int] = set()
+        #: Loads submitted and not ended yet, and those of them cancelled.
+        self._pending: set[str] = set()
         self._cancelled: set[str] = set()
         self._loads = ThreadPoolExecutor(
             self.offload_config.max_parallel_loads, thread_name_prefix="pagedkv-offload-load"
@@ -107,9 +109,9 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         for tier, keys in meta.deletes.items():
             if tier in self.lower:
                 self.lower[tier].writer.submit_delete(keys)
-        if meta.cancels:
-            with self._lock:
-                self._cancelled.update(meta.cancels)
+        with self._lock:
+            self._pending.update(load.req_id for load in meta.loads)
+            self._cancelled.update(self._pending.intersection(meta.cancels))
         for load in meta.loads:
             self._loads.submit(self._run_load, load, time.monotonic())
 
@@ -127,6 +129,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             invalid = {b.block_id for blocks in load.blocks.values() for b in blocks}
             stores = [("cpu", b.key, False) for b in load.promotions]
         with self._lock:
+            self._pending.discard(load.req_id)
             self._cancelled.discard(load.req_id)
             self._finished.add(load.req_id)
             self._invalid |= invalid
@@ -235,7 +238,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         with self._lock:
-            self._cancelled.update(self._finished)
+            self._cancelled.update(self._pending)  # stop at the next batch boundary
         self._loads.shutdown(wait=True, cancel_futures=False)
         for lower in self.lower.values():
             lower.close()
