@@ -22,11 +22,9 @@ A tier's faults (a full disk, a vanished store, a corrupt file) are misses: this
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_events import BlockStored, KVCacheEvent
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
@@ -47,21 +45,14 @@ from pagedkv.kv_transfer.offload.tier_index import TierIndex
 from pagedkv.kv_transfer.offload.tier_sizes import slot_bytes, tier_capacity_blocks
 from pagedkv.kv_transfer.store.backends import StoreBackend, StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
-from pagedkv.kv_transfer.store.connector import window_blocks
+from pagedkv.kv_transfer.store.completed_blocks import CompletedBlocks
+from pagedkv.kv_transfer.store.connector import block_geometry
 
 if TYPE_CHECKING:
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
     from pagedkv.kv_cache.kv_cache_manager import KVCacheBlocks
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _SaveState:
-    request: ConnectorRequest
-    block_ids: list[list[int]]
-    #: Blocks ``[0, num_saved_blocks)`` are stored, planned, or not this request's to store.
-    num_saved_blocks: int | None = None
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -72,12 +63,8 @@ class OffloadingConnector(KVConnectorBase):
     ) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
         self.offload_config = OffloadingConfig.from_extra_config(config.kv_connector_extra_config)
-        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-        if len({spec.block_size for spec in specs}) != 1:
-            raise ValueError("OffloadingConnector needs one block_size for every KV cache group")
-        self.block_size = specs[0].block_size
-        self.windows = [window_blocks(spec) for spec in specs]
-        self.num_groups = len(specs)
+        self.block_size, self.windows = block_geometry(kv_cache_config, "OffloadingConnector")
+        self.num_groups = len(self.windows)
         #: This step's plan (evictions while the disk tier is indexed at start go in the first).
         self._meta = OffloadingMetadata()
         self.tiers: dict[str, TierIndex] = {}
@@ -97,7 +84,7 @@ class OffloadingConnector(KVConnectorBase):
         self.load_latency = Histogram(LOAD_LATENCY_BUCKETS)
         self.num_external_queries = 0
         self.num_external_hits = 0
-        self._saves: dict[str, _SaveState] = {}
+        self._saves = CompletedBlocks(self.block_size)
         #: Loads in flight: request id -> the (tier, key) entries they pinned.
         self._loads: dict[str, list[tuple[str, str]]] = {}
         #: Keys being loaded, and for which request (a second request waits for that load).
@@ -164,7 +151,7 @@ class OffloadingConnector(KVConnectorBase):
         self, request: ConnectorRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         lookup = self.locator.lookups.pop(request.request_id, None)
-        self._saves.setdefault(request.request_id, _SaveState(request, []))
+        self._saves.track(request)
         self.num_external_queries += request.num_tokens
         if num_external_tokens == 0:
             return
@@ -252,34 +239,11 @@ class OffloadingConnector(KVConnectorBase):
 
     # ------------------------------------------------------------------ saves
     def build_connector_meta(self, scheduler_output: ScheduledStep) -> OffloadingMetadata:
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._saves[new.req_id]
-            state.block_ids = [list(ids) for ids in new.block_ids]  # type: ignore[attr-defined]
-            first_block = new.num_computed_tokens // self.block_size
-            if state.num_saved_blocks is None or state.num_saved_blocks > first_block:
-                state.num_saved_blocks = first_block
-        for cached in scheduler_output.scheduled_cached_reqs:
-            state = self._saves[cached.req_id]
-            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):  # type: ignore[attr-defined]
-                ids.extend(new_ids)
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self._plan_saves(self._saves[req_id], num_tokens)
+        """Store the blocks this step completes into every tier lacking them."""
+        for request, i, group_id, block_id in self._saves.step(scheduler_output):
+            self._plan_save(request, i, group_id, block_id)
         meta, self._meta = self._meta, OffloadingMetadata()
         return meta
-
-    def _plan_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
-        """Store the blocks this step's forward pass completes into every tier lacking them."""
-        request = state.request
-        num_full = min(
-            (request.num_computed_tokens + num_scheduled_tokens) // self.block_size,
-            len(request.block_hashes),
-        )
-        assert state.num_saved_blocks is not None
-        for i in range(state.num_saved_blocks, num_full):
-            for g, ids in enumerate(state.block_ids):
-                if ids[i] != NULL_BLOCK_ID:  # a sliding window skipped this position
-                    self._plan_save(request, i, g, ids[i])
-        state.num_saved_blocks = max(state.num_saved_blocks, num_full)
 
     def _plan_save(self, request: ConnectorRequest, i: int, group_id: int, block_id: int) -> None:
         key = self._key(group_id, request.block_hashes[i])
@@ -323,7 +287,7 @@ class OffloadingConnector(KVConnectorBase):
         """Never holds blocks: the host copy is made in the step, the lower tiers' from a
         snapshot."""
         self.locator.lookups.pop(request.request_id, None)
-        self._saves.pop(request.request_id, None)
+        self._saves.forget(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------ events, stats

@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
@@ -43,6 +42,7 @@ from pagedkv.kv_connector.params import KVTransferParams, asks_for
 from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
 from pagedkv.kv_transfer.store.block_codec import block_key
+from pagedkv.kv_transfer.store.completed_blocks import CompletedBlocks
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata, StoreLoad
 from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
@@ -66,6 +66,15 @@ def window_blocks(spec: KVCacheSpec) -> int | None:
     if isinstance(spec, SlidingWindowSpec):
         return cdiv(spec.sliding_window - 1, spec.block_size)
     return None
+
+
+def block_geometry(kv_cache_config: KVCacheConfig, connector: str) -> tuple[int, list[int | None]]:
+    """The one block size of every KV cache group (KV is kept per block hash) and each group's
+    window in blocks (``window_blocks``); ValueError naming ``connector`` if sizes differ."""
+    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    if len({spec.block_size for spec in specs}) != 1:
+        raise ValueError(f"{connector} needs one block_size for every KV cache group")
+    return specs[0].block_size, [window_blocks(spec) for spec in specs]
 
 
 def longest_stored_prefix(stored: list[list[bool]], windows: list[int | None]) -> int:
@@ -109,17 +118,6 @@ class _Lookup:
     failed: bool = False
 
 
-@dataclass(slots=True)
-class _SaveState:
-    """A producer's view of one request: its blocks (per group) and how many are saved."""
-
-    request: ConnectorRequest
-    block_ids: list[list[int]]
-    #: Blocks ``[0, num_saved_blocks)`` are stored, queued, or not this request's to store.
-    num_saved_blocks: int | None = None
-    num_blocks_queued: int = 0
-
-
 class StoreConnector(KVConnectorBase):
     default_load_failure_policy = "recompute"
 
@@ -128,18 +126,16 @@ class StoreConnector(KVConnectorBase):
     ) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
         self.store_config = StoreConfig.from_extra_config(config.kv_connector_extra_config)
-        specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
-        if len({spec.block_size for spec in specs}) != 1:
-            raise ValueError("StoreConnector needs one block_size for every KV cache group")
-        self.block_size = specs[0].block_size
-        self.windows = [window_blocks(spec) for spec in specs]
+        self.block_size, self.windows = block_geometry(kv_cache_config, "StoreConnector")
         self.backend = (
             create_backend(self.store_config, lookups_only=True)
             if config.kv_role.consumes
             else None
         )
         self.stats = StoreStats()
-        self._saves: dict[str, _SaveState] = {}
+        self._saves = CompletedBlocks(self.block_size)
+        #: Puts queued per request (a finished request holds its blocks until they end).
+        self._num_puts: dict[str, int] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._meta = StoreConnectorMetadata()
         self._warned_no_hashes = False
@@ -211,7 +207,7 @@ class StoreConnector(KVConnectorBase):
         if self.config.kv_role.produces:
             # Allocated again after a preemption: its puts queued before still count, so its
             # blocks are held until they end (build_connector_meta takes its new blocks).
-            self._saves.setdefault(request.request_id, _SaveState(request, []))
+            self._saves.track(request)
         if num_external_tokens == 0:
             return
         assert lookup is not None, "external tokens without a lookup"
@@ -237,19 +233,12 @@ class StoreConnector(KVConnectorBase):
     # ------------------------------------------------------------------ producer: saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
         if self.config.kv_role.produces:
-            for new in scheduler_output.scheduled_new_reqs:
-                state = self._saves[new.req_id]
-                state.block_ids = [list(ids) for ids in new.block_ids]
-                first = 0 if self._stores_whole_prompt(state.request) else new.num_computed_tokens
-                first_block = first // self.block_size
-                if state.num_saved_blocks is None or state.num_saved_blocks > first_block:
-                    state.num_saved_blocks = first_block
-            for cached in scheduler_output.scheduled_cached_reqs:
-                state = self._saves[cached.req_id]
-                for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
-                    ids.extend(new_ids)
-            for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                self._add_saves(self._saves[req_id], num_tokens)
+            for request, i, group_id, block_id in self._saves.step(
+                scheduler_output, self._first_stored_token
+            ):
+                key = self._key(group_id, request.block_hashes[i])
+                self._meta.saves.append((request.request_id, BlockRef(group_id, block_id, key)))
+                self._num_puts[request.request_id] = self._num_puts.get(request.request_id, 0) + 1
         meta, self._meta = self._meta, StoreConnectorMetadata()
         return meta
 
@@ -257,38 +246,26 @@ class StoreConnector(KVConnectorBase):
     def _stores_whole_prompt(request: ConnectorRequest) -> bool:
         return asks_for(request.kv_transfer_params, "do_remote_decode")
 
-    def _add_saves(self, state: _SaveState, num_scheduled_tokens: int) -> None:
-        """List the blocks that this step's forward pass completes."""
-        request = state.request
-        num_full = min(
-            (request.num_computed_tokens + num_scheduled_tokens) // self.block_size,
-            len(request.block_hashes),
-        )
-        assert state.num_saved_blocks is not None
-        for i in range(state.num_saved_blocks, num_full):
-            for group_id, ids in enumerate(state.block_ids):
-                if ids[i] != NULL_BLOCK_ID:  # a sliding window skipped this position
-                    key = self._key(group_id, request.block_hashes[i])
-                    self._meta.saves.append((request.request_id, BlockRef(group_id, ids[i], key)))
-                    state.num_blocks_queued += 1
-        state.num_saved_blocks = max(state.num_saved_blocks, num_full)
+    def _first_stored_token(self, request: ConnectorRequest, num_computed_tokens: int) -> int:
+        """P stores its whole prompt (prefix-cache hits included); others what they compute."""
+        return 0 if self._stores_whole_prompt(request) else num_computed_tokens
 
     # ------------------------------------------------------------------ endings
     def request_finished(
         self, request: ConnectorRequest, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
         self._lookups.pop(request.request_id, None)
-        state = self._saves.pop(request.request_id, None)
-        hold = state is not None and state.num_blocks_queued > 0
+        tracked = self._saves.forget(request.request_id)
+        hold = self._num_puts.pop(request.request_id, 0) > 0
         if hold:
             self._meta.flushes.append(request.request_id)
         params = None
         if (
-            state is not None
+            tracked is not None
             and self._stores_whole_prompt(request)
             and request.status.finish_reason in ("length", "stop")
         ):
-            num_blocks = min(state.num_saved_blocks or 0, len(request.block_hashes))
+            num_blocks = min(tracked.num_done_blocks or 0, len(request.block_hashes))
             num_tokens = num_blocks * self.block_size
             params = KVTransferParams(do_remote_prefill=True, store_num_tokens=num_tokens).to_dict()
         return hold, params
