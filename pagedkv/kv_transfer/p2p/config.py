@@ -10,6 +10,7 @@ from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.transport.codec import SECRET_ENV
 
 SEND_TYPES = ("PUT", "PUT_ASYNC", "GET")
+SAME_HOST_TRANSPORTS = ("shm", "network")
 #: Extra-config keys read by ``pagedkv serve`` (registration with ``pagedkv proxy``s:
 #: ``proxies``, a list of "HOST:PORT", or one proxy as ``proxy_ip``/``proxy_port``).
 SERVER_KEYS = ("proxies", "proxy_ip", "proxy_port", "proxy_heartbeat_s")
@@ -45,8 +46,17 @@ class P2pConfig:
     max_message_bytes: int = 1 << 20
     #: HMAC-SHA256 key for every control message; None = unauthenticated (loopback only!).
     shared_secret: str | None = None
+    #: Between two instances of one host and boot: "shm" moves the KV through a shared-memory
+    #: segment private to the pair (falling back to the network when it can't be set up),
+    #: "network" always through the pair group's gloo sockets.
+    same_host_transport: str = "shm"
 
     def __post_init__(self) -> None:
+        if self.same_host_transport not in SAME_HOST_TRANSPORTS:
+            raise ValueError(
+                f"kv_connector_extra_config.same_host_transport must be one of "
+                f"{SAME_HOST_TRANSPORTS}, got {self.same_host_transport!r}"
+            )
         if self.send_type not in SEND_TYPES:
             raise ValueError(
                 f"kv_connector_extra_config.send_type must be one of {SEND_TYPES}, "
