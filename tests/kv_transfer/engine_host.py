@@ -79,7 +79,7 @@ def _fault_control_plane(spec: str) -> None:
 
 
 def _apply_hook(hook: str) -> None:
-    from pagedkv.kv_transfer.p2p import inbound, lanes
+    from pagedkv.kv_transfer.p2p import inbound, lanes, shm_lanes
 
     if hook.startswith(("drop:", "delay:")):
         _fault_control_plane(hook)
@@ -105,8 +105,14 @@ def _apply_hook(hook: str) -> None:
             original_complete(self)
             os.kill(os.getpid(), signal.SIGKILL)
 
+        def publish_then_die(self, *args, **kwargs):  # shared memory: nothing is in flight
+            original_publish(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        original_publish = shm_lanes.ShmSendLane._send_message
         lanes.SendLane.__init__ = one_in_flight
         lanes.SendLane._complete_oldest = complete_then_die
+        shm_lanes.ShmSendLane._send_message = publish_then_die
     elif hook == "die_after_want":
         original_load = inbound.InboundTransfers.on_load
 

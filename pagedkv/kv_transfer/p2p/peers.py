@@ -41,6 +41,7 @@ from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
 from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, StoreSet, XferBegin
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, Target
+from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
 from pagedkv.transport.codec import Codec, ProtocolError
 from pagedkv.transport.control_plane import ControlPlane, Handler
@@ -120,6 +121,8 @@ class Peers:
             on_ready=self._on_ready,
             on_dropped=self._on_dropped,
             max_groups=p2p.max_pair_groups,
+            same_host_transport=p2p.same_host_transport,
+            ring_capacity=max(p2p.in_flight_bytes, 2 * p2p.chunk_bytes),
         )
         self._log = RateLimitedLog(logger)
         self._told: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -167,8 +170,9 @@ class Peers:
         self.groups.drop(engine_id, reason, group)
 
     def _on_ready(self, group: PairGroup) -> None:
-        peer, p2p = group.peer, self.p2p
-        assert group.pg is not None
+        peer, p2p, wire = group.peer, self.p2p, group.wire
+        assert wire is not None
+        shm = wire.kind == "shm"
         tag = f"{peer.engine_id[:12]}-{group.name[:6]}"
 
         def broken(reason: str) -> None:
@@ -176,9 +180,8 @@ class Peers:
 
         send_lane = receive_lane = None
         if self._sender is not None:
-            send_lane = SendLane(
-                group.pg,
-                group.peer_rank,
+            send_lane = (ShmSendLane if shm else SendLane)(
+                wire,
                 group.name,
                 self._num_layers,
                 lambda begin: self.control.send(peer, begin),
@@ -190,9 +193,8 @@ class Peers:
             )
         if self._receiver is not None:
             receiver = self._receiver
-            receive_lane = ReceiveLane(
-                group.pg,
-                group.peer_rank,
+            receive_lane = (ShmReceiveLane if shm else ReceiveLane)(
+                wire,
                 lambda tid, segments: receiver.on_xfer_part(peer, tid, segments),
                 receiver.drain_layers,
                 receiver.on_received,
