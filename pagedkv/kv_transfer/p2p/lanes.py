@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
+
 from pagedkv.kv_transfer.p2p.protocol import MAX_PARTS, XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
 from pagedkv.kv_transfer.p2p.wire import GlooWire, Wire

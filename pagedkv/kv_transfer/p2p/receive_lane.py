@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+
 from pagedkv.kv_transfer.p2p.lanes import Lane, LaneError
 from pagedkv.kv_transfer.p2p.protocol import XferBegin
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes

@@ -3,16 +3,16 @@ cancels and failures as over gloo (lanes.py, receive_lane.py), with no socket an
 copy.
 
 P's lane gathers each message straight from its blocks (or its PUT_ASYNC/GET copy) into the
-next room of the ring P writes, and publishes it; as over gloo, a send is complete (and a
-job ends) once D has taken it, so a batch D never heard of (its XFER_BEGIN lost) fails P's
-lane after ``transfer_timeout_s`` instead of leaving the rings out of step. D's lane takes the messages in order and
-scatters each straight from the ring into its blocks (under the load's lock, unless the load
-was cancelled: then it is only released), then gives the room back. That is one copy on
-each side, done by the two processes at once. The ring's room is the flow control: P waits
-while D has not released enough (``in_flight_bytes``). A wait on the peer polls the ring with
-a growing sleep, and ends at once if the peer process exits (its pidfd) or the lane is
-stopped, else after ``transfer_timeout_s``. Nothing stays posted into D's blocks across
-calls, so a cancel takes effect at once.
+next room of the ring P writes, and publishes it. As over gloo, a send is complete (and a job
+ends) once D has taken it, so a batch D never heard of (its XFER_BEGIN lost) fails P's lane
+after ``transfer_timeout_s`` instead of leaving the rings out of step. D's lane takes the
+messages in order and scatters each straight from the ring into its blocks (under the load's
+lock, unless the load was cancelled: then it is only released), then gives the room back.
+That is one copy on each side, done by the two processes at once. The ring's room is the flow
+control: P waits while D has not released enough. A wait on the peer polls the ring with a
+growing sleep, and ends at once if the peer process exits (its pidfd), either side tears the
+pair down or the lane is stopped, else after ``transfer_timeout_s``. Nothing stays posted
+into D's blocks across calls, so a cancel takes effect at once.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class _Taken:
     def wait(self, timeout: datetime.timedelta) -> None:
         ring, seq = self._wire.send_ring, self.seq
         try:
-            self._wire.wait(lambda: ring.consumed(seq) or None, timeout.total_seconds(), self._check)
+            taken = lambda: ring.consumed(seq) or None  # noqa: E731
+            self._wire.wait(taken, timeout.total_seconds(), self._check)
         except WireError as e:
             raise LaneError(str(e)) from e
 

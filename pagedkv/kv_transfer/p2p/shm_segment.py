@@ -9,9 +9,9 @@ pid that names another process (another pid namespace, a reused pid) is refused.
 has mapped it, both close their descriptors; the mappings are all that keep it.
 
 Layout: a header page (magic, nonce, and a word either side sets when it tears the pair down,
-so the other side's lanes stop waiting at once, as a closed socket tells gloo), then one ring per direction (``ring(0)``: rank 0 -> rank 1, ``ring(1)``:
-rank 1 -> rank 0; shm_ring.py). Pages are only backed once touched, so the direction a pair
-never uses costs nothing.
+so the other side's lanes stop waiting at once, as a closed socket tells gloo), then one ring
+per direction (``ring(0)``: rank 0 -> rank 1, ``ring(1)``: rank 1 -> rank 0; shm_ring.py).
+Pages are only backed once touched, so the direction a pair never uses costs nothing.
 """
 
 from __future__ import annotations
