@@ -181,6 +181,8 @@ class PairGroups:
         self.num_dropped_hellos = 0
         #: Groups torn down to stay within ``max_groups``.
         self.num_evicted = 0
+        #: Groups set up over gloo although shared memory was wanted (``PairGroup.fallback``).
+        self.num_shm_fallbacks = 0
 
     def _rank_with(self, peer: PeerAddr) -> int:
         return 0 if self.me.engine_id < peer.engine_id else 1
@@ -325,6 +327,7 @@ class PairGroups:
             return shm
         if wanted:
             group.fallback = why_not
+            self.num_shm_fallbacks += 1
         options = ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=self._op_timeout_s)
         options._devices = [device]

@@ -303,6 +303,17 @@ class Peers:
                 logger.warning("a lane with %s is still in a gloo wait at shutdown", group.peer)
 
     # ------------------------------------------------------------------ stats
+    def paths(self) -> dict[str, str]:
+        """Peer engine id -> the wire its pair group is up on: "shm", or "gloo" (with why not
+        shared memory, when the pair could have used it), for ``/instances``."""
+        out = {}
+        for group in self.groups.all():
+            wire = group.wire
+            if wire is not None and group.closed is None:
+                why = f" (not shm: {group.fallback})" if group.fallback else ""
+                out[group.peer.engine_id] = f"{wire.kind}{why}"
+        return out
+
     def stats(self) -> dict[str, int]:
         rejected = dict(self.control.rejected)
         out = {"num_rejected_messages": sum(rejected.values())}
@@ -310,6 +321,9 @@ class Peers:
         out["num_evicted_peers"] = self.control.num_evicted_peers
         out["num_dropped_hellos"] = self.groups.num_dropped_hellos
         out["pair_groups"] = len(self.groups)
+        kinds = [group.wire.kind for group in self.groups.all() if group.wire is not None]
+        out["pair_groups_shm"] = kinds.count("shm")
+        out["num_shm_fallbacks"] = self.groups.num_shm_fallbacks
         out["peer_connections"] = self.control.num_peers
         for why in ("peer_lost", "goodbye", "idle", "broken"):
             out[f"num_pair_groups_torn_down_{why}"] = self.num_groups_torn_down[why]
