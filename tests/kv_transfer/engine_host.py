@@ -8,6 +8,8 @@ Test hooks (``hook=``), applied inside the child only:
   "die_mid_transfer"  P SIGKILLs itself right after D received its first KV message
   "die_mid_receive"   D SIGKILLs itself right after it took its first KV message (shared memory)
   "boot_id:<id>"      this engine reports another boot id (a peer on "another host")
+  "late_want:<s>"     D sends its WANTs s seconds after admitting their loads (a busy D)
+  "slow_layers:<s>"   each layer of a forward takes s seconds longer, once its KV is written
   "die_after_want"    D exits 0.3 s after it sent its first WANT
   "slow_step:<s>"     every step that computes something takes s seconds longer (a busy P:
                       its queue drains slowly while its control plane answers as usual)
@@ -124,6 +126,24 @@ def _apply_hook(hook: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         shm_ring.ShmRing.release = release_then_die
+    elif hook.startswith("slow_layers:"):  # a forward long enough for a WANT to arrive in it
+        from pagedkv.kv_transfer.p2p.worker import P2pConnectorWorker
+
+        seconds, original_save = float(hook.split(":")[1]), P2pConnectorWorker.save_kv_layer
+
+        def save_then_sleep(self, *args, **kwargs):
+            original_save(self, *args, **kwargs)
+            time.sleep(seconds)
+
+        P2pConnectorWorker.save_kv_layer = save_then_sleep
+    elif hook.startswith("late_want:"):  # D admits its loads s seconds late (a busy D)
+        seconds, original_on_load = float(hook.split(":")[1]), inbound.InboundTransfers.on_load
+
+        def sleep_then_load(self, spec):
+            time.sleep(seconds)
+            original_on_load(self, spec)
+
+        inbound.InboundTransfers.on_load = sleep_then_load
     elif hook.startswith("boot_id:"):  # as if on another host (or after a reboot)
         same_host.boot_id = lambda: hook.split(":", 1)[1]
     elif hook == "die_after_want":

@@ -441,3 +441,26 @@ def test_fuzzed_control_messages_into_live_listeners_change_no_transfer(shared, 
     for host in (p, d):
         assert host.process.is_alive()
         host.wait_settled()
+
+
+@pytest.mark.parametrize("send_type", ["PUT", "PUT_ASYNC"])
+def test_a_want_arriving_during_ps_forward_joins_it_layer_by_layer(
+    start_engine, reference_outputs, send_type
+) -> None:
+    """D sends its WANT 0.3 s late, so it reaches P while P's forward (0.5 s a layer)
+    computes the prompt: the send joins the forward, the layer already written going from the
+    paged cache and the other as it is computed, instead of waiting for the request to
+    finish."""
+    p, d = pair(
+        start_engine,
+        p_extra={"send_type": send_type},
+        p_hook="slow_layers:0.5",
+        d_hook="late_want:0.3",
+    )
+    prompt = random_prompt(60, seed=41)
+    (out,) = disaggregate(p, d, [prompt])
+    assert out["token_ids"] == reference_outputs("llama", [prompt], MAX_TOKENS)[0]
+    stats = p.wait_settled()["connector"]
+    assert stats["num_joined_sends"] == 1 and stats["num_sends_delivered"] == 1
+    assert stats["num_streamed_sends"] == 0 == stats["num_after_forward_sends"]
+    assert d.wait_settled()["connector"]["num_tokens_received"] == 60

@@ -101,6 +101,7 @@ class OutboundTransfers:
         and whose lane is up goes out as the forward computes it (one wire batch per D)."""
         batches: dict[SendLane, list[Job]] = {}
         with self._lock:
+            self.mode.begin_forward([spec.transfer_id for spec in specs])
             for spec in specs:
                 if spec.transfer_id in self.records.ended:
                     continue
@@ -117,6 +118,7 @@ class OutboundTransfers:
                     continue
                 job = self.mode.stream(rec, self.mode.ids(rec), rec.want.segments)
                 if job is not None:
+                    self.stats.num_streamed_sends += 1
                     rec.state, rec.job = SENDING, job
                     batches.setdefault(lane, []).append(job)
             for lane, jobs in batches.items():
@@ -294,9 +296,12 @@ class OutboundTransfers:
 
     # ------------------------------------------------------------------ internals (lock held)
     def _maybe_start(self, rec: Outbound) -> None:
-        """Send the whole transfer once D's WANT is here, the KV is prepared and the lane is
-        up (else this is called again when one of them changes)."""
-        if rec.state is not PENDING or rec.want is None or rec.peer is None or not rec.prepared:
+        """Send the transfer once D's WANT is here, the lane is up and the KV is prepared, or
+        is being computed by the forward running now (the send joins it); else this is called
+        again when one of them changes."""
+        if rec.state is not PENDING or rec.want is None or rec.peer is None:
+            return
+        if not rec.prepared and rec.spec is None:
             return
         lane = self.peers.send_lane(rec.peer.engine_id, rec.want.group)
         if lane is None:
@@ -308,7 +313,14 @@ class OutboundTransfers:
             self.records.end(rec, REFUSED, "bad_want", problem)
             return
         try:
-            job = self.mode.whole(rec, self.mode.ids(rec), rec.want.segments)
+            if rec.prepared:
+                job = self.mode.whole(rec, self.mode.ids(rec), rec.want.segments)
+                self.stats.num_after_forward_sends += 1
+            else:
+                job = self.mode.join(rec, self.mode.ids(rec), rec.want.segments)
+                if job is None:
+                    return  # its forward is over: sent once the request has finished
+                self.stats.num_joined_sends += 1
         except LaneError as e:
             self.records.end(rec, FAILED, "send", str(e))
             return

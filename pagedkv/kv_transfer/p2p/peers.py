@@ -6,10 +6,11 @@ every ``heartbeat_s`` (D's also names the transfers it awaits, renewing P's leas
 those it still computes, pushing D's load deadlines forward). A group
 is torn down when
 
-  * its peer is lost: nothing heard from it for ``peer_timeout_s``,
+  * its peer is lost: nothing heard from it for ``peer_timeout_s`` (on shared memory also
+    as soon as its process exits: the wire holds a pidfd on it),
   * its peer says goodbye (BYE: shutting down, or it tore its side down),
   * it has been idle (no transfer) for ``idle_ttl_s``,
-  * a lane on it broke (a gloo operation failed: the pair is out of step), or
+  * a lane on it broke (a wire operation failed: the pair is out of step), or
   * ``max_pair_groups`` are live and a new peer needs one (least recently used first),
 
 and then: the peer hears BYE, the owners fail what was in flight with it
@@ -43,6 +44,7 @@ from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, Stor
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, Target
 from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
+from pagedkv.kv_transfer.p2p.wire import ShmWire
 from pagedkv.transport.codec import Codec, ProtocolError
 from pagedkv.transport.control_plane import ControlPlane, Handler
 from pagedkv.transport.peer_addr import PeerAddr
@@ -285,7 +287,11 @@ class Peers:
             for peer, beat in to_send.items():
                 self.control.send(peer, beat)
         for group in groups:
-            if now - group.last_heard > p2p.peer_timeout_s:
+            wire = group.wire
+            if isinstance(wire, ShmWire) and wire.peer_exited():  # no need to wait for silence
+                reason = f"peer lost: its process {wire.peer_pid} exited"
+                self.lose(group.peer.engine_id, reason, group.name, "peer_lost")
+            elif now - group.last_heard > p2p.peer_timeout_s:
                 reason = f"peer lost: nothing heard for {p2p.peer_timeout_s:g}s"
                 self.lose(group.peer.engine_id, reason, group.name, "peer_lost")
             elif group.is_up and now - group.last_active > p2p.idle_ttl_s:

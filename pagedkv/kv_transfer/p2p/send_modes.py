@@ -13,6 +13,12 @@ lane reads the KV from and when::
 
 Copies (PUT_ASYNC's layers, GET's pool) count against ``kv_buffer_size``: past it PUT_ASYNC
 sends from the held blocks after the request finished, and GET refuses the transfer (NACK).
+
+D's WANT often reaches P after P's forward has started (D sends it once its own scheduler
+admits the request, while the proxy dispatched both at once). PUT and PUT_ASYNC then *join*
+the forward (``join``): the layers it has computed already go from the paged cache (a prompt's
+KV is written once, and its blocks are held until the transfer ends), the rest as the forward
+computes them, so the KV still leaves layer by layer instead of after the forward.
 """
 
 from __future__ import annotations
@@ -93,8 +99,15 @@ class SendMode:
 
     def __init__(self, ctx: SendContext) -> None:
         self.ctx = ctx
+        #: Guards the forward's progress below: the engine thread advances it, a WANT arriving
+        #: on the listener thread may join it.
+        self._lock = threading.RLock()
         #: Transfers streamed in the forward being run.
         self._streaming: list[_Streaming] = []
+        #: The transfers whose prompts the forward being run completes, and how many of its
+        #: layers it has written (``save_layer``); empty between forwards.
+        self._in_forward: set[str] = set()
+        self._layers_done = 0
 
     def num_bytes(self, ids: list[torch.Tensor]) -> int:
         return sum(
@@ -129,9 +142,35 @@ class SendMode:
         """The transfer as a job fed by this step's forward, or None: sent afterwards."""
         return None
 
+    def begin_forward(self, transfer_ids: list[str]) -> None:
+        """The forward about to run completes these transfers' prompts (engine thread)."""
+        with self._lock:
+            self._in_forward = set(transfer_ids)
+            self._layers_done = 0
+
+    def join(self, rec: Outbound, ids: list[torch.Tensor], segments: list[list[int]]) -> Job | None:
+        """A WANT that arrived while the forward completing its prompt runs: the transfer as a
+        job fed by the rest of that forward (the layers done already from the paged cache),
+        or None (no such forward now: sent once the request has finished)."""
+        with self._lock:
+            if rec.transfer_id not in self._in_forward:
+                return None
+            job = self.stream(rec, ids, segments)
+            done = self._layers_done
+        if job is not None:
+            assert isinstance(job.source, StreamSource)
+            for layer_idx in range(done):
+                g = self.ctx.layer_groups[layer_idx]
+                cache = self.ctx.kv_caches[layer_idx]
+                job.source.put(layer_idx, LayerBlocks(cache, ids[g], segments[g]))
+        return job
+
     def save_layer(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         g = self.ctx.layer_groups[layer_idx]
-        for s in self._streaming:
+        with self._lock:
+            self._layers_done = layer_idx + 1
+            streaming = list(self._streaming)
+        for s in streaming:
             if not s.job.ended.is_set():  # not cancelled before its batch started
                 s.source.put(layer_idx, self._layer_of(kv_cache, s.ids[g], s.segments[g]))
 
@@ -139,7 +178,14 @@ class SendMode:
         return LayerBlocks(cache, ids, segments)
 
     def wait_for_save(self) -> None:
-        self._streaming = []
+        self._end_forward()
+
+    def _end_forward(self) -> list[_Streaming]:
+        """The forward is over: no transfer joins it any more. Returns its streams."""
+        with self._lock:
+            streaming, self._streaming = self._streaming, []
+            self._in_forward = set()
+        return streaming
 
     def release(self, transfer_id: str) -> None:
         """The transfer no longer needs its copies (sent, or ended)."""
@@ -148,7 +194,8 @@ class SendMode:
     def _start_stream(self, rec: Outbound, ids, segments) -> Job:
         source = StreamSource(len(self.ctx.kv_caches), self.ctx.timeout_s)
         job = Job(rec.transfer_id, segments, source, self.num_bytes(ids))
-        self._streaming.append(_Streaming(job, source, ids, segments))
+        with self._lock:
+            self._streaming.append(_Streaming(job, source, ids, segments))
         return job
 
 
@@ -161,8 +208,7 @@ class PutMode(SendMode):
     def wait_for_save(self) -> None:
         """The blocks may change once the step is over: their sends must have left (each
         gloo wait of the lane is bounded by ``transfer_timeout_s``)."""
-        streaming, self._streaming = self._streaming, []
-        for s in streaming:
+        for s in self._end_forward():
             while not s.job.ended.wait(self.ctx.timeout_s):
                 logger.warning("PUT: still sending %s at the end of the step", s.job.transfer_id)
 

@@ -116,6 +116,11 @@ class P2pStats:
     num_bytes_received: int = 0
     #: Prompt tokens whose KV arrived from P (D did not compute them).
     num_tokens_received: int = 0
+    #: P's sends by when they started: with the forward computing the prompt (its WANT was
+    #: there first, or joined the forward running), or after the request finished.
+    num_streamed_sends: int = 0
+    num_joined_sends: int = 0
+    num_after_forward_sends: int = 0
 
     def as_dict(self) -> dict[str, int]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name.startswith("num_")}

@@ -66,6 +66,10 @@ class ShmWire:
                 raise WireError(f"the peer process {self.peer_pid} exited")
             sleep_s = min(2 * sleep_s, _MAX_SLEEP_S)
 
+    def peer_exited(self) -> bool:
+        """Whether the peer process has exited (a look, no wait)."""
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
     def __del__(self) -> None:
         """The last holder (a lane's thread or its pair group) let go: so does the pidfd, and
         the segment is unmapped with its last view."""
