@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 from pagedkv.arg_types import positive_int
 from pagedkv.worker.config import WorkerConfig
+from pagedkv.worker.cpu_cores import check_cpu_list
 
 DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -130,6 +132,17 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--cpu-cores",
+        dict(
+            metavar="LIST",
+            help="run this instance's threads on these cores only, as taskset writes them "
+            "(e.g. 0-3,6), with one torch thread per core; give instances on one host "
+            "disjoint lists. Overrides $VLLM_CPU_OMP_THREADS_BIND (vLLM's: a list, all or auto "
+            "= no binding). An instance warns when another pagedkv instance on this host may "
+            "run on its cores",
+        ),
+    ),
+    (
         "--kv-transfer-config",
         dict(
             type=_json_dict,
@@ -194,6 +207,8 @@ class EngineArgs:
     kv_offloading_backend: str = "native"
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
+    #: ``--cpu-cores``: a core list such as ``"0-3,6"`` (None: ``VLLM_CPU_OMP_THREADS_BIND``).
+    cpu_cores: str | None = None
 
     def __post_init__(self) -> None:
         """Range checks that need no model (those that do run when the engine loads it)."""
@@ -233,6 +248,11 @@ class EngineArgs:
             fail("kv_offloading_size", "must be a number of GiB > 0 (or None)")
         if self.kv_offloading_backend != "native":
             fail("kv_offloading_backend", "must be native")
+        if self.cpu_cores is not None:
+            try:
+                check_cpu_list(str(self.cpu_cores), os.sched_getaffinity(0))
+            except ValueError as e:
+                fail("cpu_cores", f"must be a core list like 0-3,6 ({e})")
 
     @property
     def model_path(self) -> Path:
