@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,8 +248,10 @@ class EngineArgs:
         if self.kv_offloading_backend != "native":
             fail("kv_offloading_backend", "must be native")
         if self.cpu_cores is not None:
+            if not isinstance(self.cpu_cores, str):
+                fail("cpu_cores", "must be a core list like 0-3,6 (a string)")
             try:
-                check_cpu_list(str(self.cpu_cores), os.sched_getaffinity(0))
+                check_cpu_list(self.cpu_cores)
             except ValueError as e:
                 fail("cpu_cores", f"must be a core list like 0-3,6 ({e})")
 

@@ -90,10 +90,13 @@ def engine_instances() -> list[int]:
     me = os.getpid()
     family = {me, *_ancestors(me)}
     found = []
-    for entry in _PROC.iterdir():
-        if not entry.name.isdigit() or int(entry.name) in family:
+    try:
+        pids = [int(entry.name) for entry in _PROC.iterdir() if entry.name.isdigit()]
+    except OSError:  # no /proc here
+        return []
+    for pid in pids:
+        if pid in family:
             continue
-        pid = int(entry.name)
         try:
             if not is_engine_command(_argv(pid)):
                 continue

@@ -50,7 +50,7 @@ def bind_cpu_cores(cpu_cores: str | None, check_neighbours: bool = True) -> tupl
             len(request.cores),
             request.source,
         )
-    if check_neighbours:
+    if check_neighbours and hasattr(os, "sched_getaffinity"):
         warn_if_sharing_cores(request.cores or tuple(os.sched_getaffinity(0)))
     return request.cores
 

@@ -57,11 +57,18 @@ def format_cpu_list(cores: Iterable[int]) -> str:
     return ",".join(runs)
 
 
-def check_cpu_list(text: str, allowed: Iterable[int]) -> tuple[int, ...]:
-    """``parse_cpu_list`` of ``text``, whose cores must all be in ``allowed`` (this process's
-    affinity): ValueError naming the ones that are not."""
+def allowed_cores() -> set[int]:
+    """The cores this process may run on (its affinity); ValueError where the OS cannot say."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise ValueError("binding to cores needs Linux (os.sched_getaffinity)")
+    return os.sched_getaffinity(0)
+
+
+def check_cpu_list(text: str, allowed: Iterable[int] | None = None) -> tuple[int, ...]:
+    """``parse_cpu_list`` of ``text``, whose cores must all be in ``allowed`` (default: this
+    process's affinity): ValueError naming the ones that are not."""
     cores = parse_cpu_list(text)
-    allowed = set(allowed)
+    allowed = set(allowed_cores() if allowed is None else allowed)
     missing = [core for core in cores if core not in allowed]
     if missing:
         raise ValueError(
@@ -84,10 +91,9 @@ def requested_cores(cpu_cores: str | None, environ: Mapping[str, str] = os.envir
     """``--cpu-cores`` (``cpu_cores``) wins over ``VLLM_CPU_OMP_THREADS_BIND``. ValueError,
     naming the source, for a malformed list, a core this process may not run on, or vLLM's
     per-tensor-parallel-rank form (``0-1|2-3``: one instance runs one rank here)."""
-    allowed = os.sched_getaffinity(0)
     if cpu_cores is not None:
         try:
-            return CoreRequest(check_cpu_list(cpu_cores, allowed), "--cpu-cores")
+            return CoreRequest(check_cpu_list(cpu_cores), "--cpu-cores")
         except ValueError as e:
             raise ValueError(f"cpu_cores {cpu_cores!r}: {e}") from None
     text = environ.get(OMP_THREADS_BIND_ENV, "").strip()
@@ -99,6 +105,6 @@ def requested_cores(cpu_cores: str | None, environ: Mapping[str, str] = os.envir
             "not supported (an instance runs one rank); give one list, e.g. 0-3"
         )
     try:
-        return CoreRequest(check_cpu_list(text, allowed), OMP_THREADS_BIND_ENV)
+        return CoreRequest(check_cpu_list(text), OMP_THREADS_BIND_ENV)
     except ValueError as e:
         raise ValueError(f"{OMP_THREADS_BIND_ENV}={text!r}: {e}") from None

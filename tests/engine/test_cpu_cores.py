@@ -60,11 +60,12 @@ def test_a_formatted_core_list_reads_back_as_the_same_cores(cores: set[int]) -> 
     "cpu_cores, message",
     [
         ("x", r"cpu_cores must be a core list like 0-3,6 \('x' is not a core"),
+        (0, r"cpu_cores must be a core list like 0-3,6 \(a string\), got 0"),
         ("3-1", "cpu_cores must be a core list .* empty range"),
         (str(NOT_ALLOWED), rf"core\(s\) {NOT_ALLOWED}: this process may only run on"),
     ],
 )
-def test_engine_args_refuse_a_bad_cpu_cores_by_name(cpu_cores: str, message: str) -> None:
+def test_engine_args_refuse_a_bad_cpu_cores_by_name(cpu_cores: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(cpu_cores=cpu_cores)
 
