@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedkv.arg_types import positive_int
 from pagedkv.worker.config import WorkerConfig
+from pagedkv.worker.cpu_cores import check_cpu_list
 
 DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -130,6 +131,17 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         ),
     ),
     (
+        "--cpu-cores",
+        dict(
+            metavar="LIST",
+            help="run this instance's threads on these cores only, as taskset writes them "
+            "(e.g. 0-3,6), with one torch thread per core; give instances on one host "
+            "disjoint lists. Overrides $VLLM_CPU_OMP_THREADS_BIND (vLLM's: a list, all or auto "
+            "= no binding). An instance warns when another pagedkv instance on this host may "
+            "run on its cores",
+        ),
+    ),
+    (
         "--kv-transfer-config",
         dict(
             type=_json_dict,
@@ -194,6 +206,8 @@ class EngineArgs:
     kv_offloading_backend: str = "native"
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
+    #: ``--cpu-cores``: a core list such as ``"0-3,6"`` (None: ``VLLM_CPU_OMP_THREADS_BIND``).
+    cpu_cores: str | None = None
 
     def __post_init__(self) -> None:
         """Range checks that need no model (those that do run when the engine loads it)."""
@@ -233,6 +247,13 @@ class EngineArgs:
             fail("kv_offloading_size", "must be a number of GiB > 0 (or None)")
         if self.kv_offloading_backend != "native":
             fail("kv_offloading_backend", "must be native")
+        if self.cpu_cores is not None:
+            if not isinstance(self.cpu_cores, str):
+                fail("cpu_cores", "must be a core list like 0-3,6 (a string)")
+            try:
+                check_cpu_list(self.cpu_cores)
+            except ValueError as e:
+                fail("cpu_cores", f"must be a core list like 0-3,6 ({e})")
 
     @property
     def model_path(self) -> Path:

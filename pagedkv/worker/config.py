@@ -24,3 +24,6 @@ class WorkerConfig:
     #: Seeds torch's default generator, which unseeded sampling draws from (None: not seeded).
     seed: int | None
     gpu_memory_utilization: float
+    #: ``--cpu-cores``: the cores this instance's threads run on (None: as
+    #: ``VLLM_CPU_OMP_THREADS_BIND`` says, else unpinned); ``cpu_binding.bind_cpu_cores``.
+    cpu_cores: str | None = None

@@ -26,6 +26,7 @@ from pagedkv.model.generation_config import GenerationDefaults
 from pagedkv.model.loader import load_model
 from pagedkv.utils import cdiv
 from pagedkv.worker.config import WorkerConfig
+from pagedkv.worker.cpu_binding import bind_cpu_cores
 from pagedkv.worker.host_memory import keep_freed_host_memory
 from pagedkv.worker.input_batch import CachedRequestState, InputBatch
 from pagedkv.worker.model_runner_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -42,6 +43,8 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()
+        #: Before anything is built or timed: the kernels and their timings see our threads.
+        self.cpu_cores = bind_cpu_cores(args.cpu_cores, check_neighbours=self.device.type == "cpu")
         model_path = args.model_path
         checkpoint = ModelConfig.from_pretrained(model_path)
         self.max_model_len = resolve_max_model_len(
