@@ -30,7 +30,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +48,14 @@ _NETNS_DIR = Path("/run/netns")
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-\d+-[pd]$")
 _CLONE_NEWNET = 0x40000000
 _serial = itertools.count()
+#: Accepts one connection on argv[1]:argv[2], reads it to the end, prints the bytes read.
+_SINK = (
+    "import socket, sys\n"
+    "s = socket.create_server((sys.argv[1], int(sys.argv[2]))); print('ready', flush=True)\n"
+    "c, _ = s.accept(); n = 0\n"
+    "while chunk := c.recv(1 << 20): n += len(chunk)\n"
+    "print(n)\n"
+)
 
 
 class LinkError(RuntimeError):
@@ -141,6 +152,33 @@ class NetnsLink:
     def close(self) -> None:
         for ns in self._namespaces.values():
             _remove_namespace(ns)
+
+    def send_tcp(self, num_bytes: int, port: int = 5001) -> float:
+        """Seconds a raw TCP stream of ``num_bytes`` takes from P's side to a reader on D's
+        (from the first byte sent to the reader's count of all of them)."""
+        sink = subprocess.Popen(
+            self.command("d", [sys.executable, "-c", _SINK, ADDRESSES["d"], str(port)]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            if sink.stdout.readline() != "ready\n":
+                raise LinkError(f"the TCP reader in {self._namespaces['d']} did not start")
+            with self.entered("p"):
+                connection = socket.create_connection((ADDRESSES["d"], port), timeout=60)
+            payload = memoryview(bytearray(b"\x5a" * min(num_bytes, 4 << 20)))
+            start = time.perf_counter()
+            with connection:
+                for offset in range(0, num_bytes, len(payload)):
+                    connection.sendall(payload[: num_bytes - offset])
+            received = int(sink.communicate(timeout=120)[0])
+            elapsed = time.perf_counter() - start
+        finally:
+            sink.kill()
+            sink.wait()
+        if received != num_bytes:
+            raise LinkError(f"sent {num_bytes} bytes over the link, {received} arrived")
+        return elapsed
 
 
 def _setns(fd: int) -> None:

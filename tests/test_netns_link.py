@@ -5,23 +5,13 @@ behind, and what a killed owner left behind is removed by the next link. Root an
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.netns_link import NetnsLink, remove_leftovers, require_link, tbf_burst_bytes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-#: Accepts one connection on argv[1]:5001, reads it to the end, prints the bytes read.
-SINK = (
-    "import socket, sys\n"
-    "s = socket.create_server((sys.argv[1], 5001)); print('ready', flush=True)\n"
-    "c, _ = s.accept(); n = 0\n"
-    "while chunk := c.recv(1 << 20): n += len(chunk)\n"
-    "print(n)\n"
-)
 
 
 def _namespaces() -> set[str]:
@@ -33,20 +23,7 @@ def test_a_link_carries_tcp_at_most_at_its_rate_counts_the_bytes_and_is_removed(
     require_link()
     rate_bit, size = 100_000_000, 4 << 20
     with NetnsLink(rate_bit) as link:
-        sink = subprocess.Popen(
-            link.command("d", [sys.executable, "-c", SINK, link.address("d")]),
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert sink.stdout.readline() == "ready\n"
-        with link.entered("p"):
-            connection = socket.create_connection((link.address("d"), 5001), timeout=30)
-        start = time.monotonic()
-        with connection:
-            connection.sendall(b"\x5a" * size)
-        received = int(sink.communicate(timeout=60)[0])
-        elapsed = time.monotonic() - start
-        assert received == size
+        elapsed = link.send_tcp(size)
         assert link.sent_bytes("p") >= size  # payload plus headers
         assert elapsed >= (size - tbf_burst_bytes(rate_bit)) * 8 / rate_bit
         root_addresses = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True)
