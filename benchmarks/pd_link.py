@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.pd_transfer import machine_info, wait_health  # noqa: E402
+from benchmarks.pd_transfer import Processes, machine_info, wait_health  # noqa: E402
 from tests.netns_link import NetnsLink, unsupported_reason  # noqa: E402
 
 PROXY_PORT, REGISTRY_PORT, SERVE_PORT, LOCAL_PORT, KV_PORT = 8000, 30001, 8100, 8200, 14579
@@ -82,7 +82,7 @@ class Deployment:
 
     def __init__(self, link: NetnsLink, model: Path, log_dir: Path, cores: dict[str, str]):
         self.link, self.model, self.log_dir, self.cores = link, model, log_dir, cores
-        self.processes: list[subprocess.Popen] = []
+        self.processes = Processes(log_dir)
         host = link.address("p")
         self.urls = {
             "local": f"http://{host}:{LOCAL_PORT}",
@@ -98,7 +98,7 @@ class Deployment:
             env["OMP_NUM_THREADS"] = str(_count_cores(cores))
         with (self.log_dir / f"{name}.log").open("w") as log:
             command = self.link.command(side, [*pinned, sys.executable, "-m", "pagedkv", *args])
-            self.processes.append(
+            self.processes.procs.append(
                 subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
             )
 
@@ -147,14 +147,7 @@ class Deployment:
             time.sleep(0.2)
 
     def close(self) -> None:
-        for process in self.processes:
-            process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        self.processes.close()
 
 
 def _count_cores(cores: str) -> int:
