@@ -11,6 +11,9 @@ proxy, ``max_tokens=1``: a request's latency is its TTFT. The client runs in P's
     KV link time   = KV bytes (P's ``num_bytes_sent``) x 8 / rate
     one layer      = KV link time / num_layers
     target         = exposed <= 2 x one layer, where the KV link time < the prefill (local TTFT)
+    KV on wire     = seconds after the PD request was sent when 5 % and 95 % of its KV had left
+                     P's end of the link (sampled every 10 ms): a start near the local TTFT
+                     means the KV went after P's forward, not layer by layer during it
 
 The model (random Llama, fp32 on CPU): 8 layers, hidden 256, 8 attention heads and 8 KV heads
 (no grouping: the most KV for its compute), so 16 KiB of KV a token, 128 MiB for 8k tokens:
@@ -28,10 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +48,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.pd_transfer import Processes, machine_info, wait_health  # noqa: E402
-from tests.netns_link import NetnsLink, unsupported_reason  # noqa: E402
+from tests.netns_link import DEVICE, NetnsLink, unsupported_reason  # noqa: E402
 
 PROXY_PORT, REGISTRY_PORT, SERVE_PORT, LOCAL_PORT, KV_PORT = 8000, 30001, 8100, 8200, 14579
 BYTES_SENT = "pagedkv:kv_transfer_num_bytes_sent_total"
@@ -83,6 +88,7 @@ class Deployment:
     def __init__(self, link: NetnsLink, model: Path, log_dir: Path, cores: dict[str, str]):
         self.link, self.model, self.log_dir, self.cores = link, model, log_dir, cores
         self.processes = Processes(log_dir)
+        self.sampler = WireSampler(link)
         host = link.address("p")
         self.urls = {
             "local": f"http://{host}:{LOCAL_PORT}",
@@ -147,6 +153,7 @@ class Deployment:
             time.sleep(0.2)
 
     def close(self) -> None:
+        self.sampler.stopped.set()
         self.processes.close()
 
 
@@ -186,18 +193,55 @@ class Cell:
     pd: list[float] = field(default_factory=list)
     kv_bytes: list[float] = field(default_factory=list)
     wire_bytes: list[int] = field(default_factory=list)
+    #: Seconds from sending the PD request until 5 % and 95 % of its KV had left P's end.
+    wire_from: list[float] = field(default_factory=list)
+    wire_to: list[float] = field(default_factory=list)
+
+
+class WireSampler(threading.Thread):
+    """Every 10 ms, the bytes P's end of the link has sent (``/proc/net/dev`` read from a
+    thread in P's namespace): when the KV was on the wire, relative to the request."""
+
+    def __init__(self, link: NetnsLink) -> None:
+        super().__init__(daemon=True)
+        self.link = link
+        self.samples: list[tuple[float, int]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with self.link.entered("p"):
+            while not self.stopped.wait(0.01):
+                for line in Path("/proc/thread-self/net/dev").read_text().splitlines():
+                    name, _, counters = line.partition(":")
+                    if name.strip() == DEVICE:
+                        self.samples.append((time.perf_counter(), int(counters.split()[8])))
+
+    def when(self, since: float, num_bytes: float) -> float:
+        """Seconds after ``since`` when ``num_bytes`` more than at ``since`` had been sent."""
+        before = [sent for t, sent in self.samples if t <= since]
+        base = before[-1] if before else 0
+        return next(
+            (t - since for t, sent in self.samples if t > since and sent - base >= num_bytes),
+            float("nan"),
+        )
 
 
 def measure(client: httpx.Client, deployment: Deployment, cell: Cell, repeats: int, gen) -> Cell:
-    link, urls = deployment.link, deployment.urls
+    link, urls, sampler = deployment.link, deployment.urls, deployment.sampler
     for repeat in range(repeats):
         prompt = torch.randint(10, VOCAB, (cell.tokens,), generator=gen).tolist()
         sent, wire = metric(client, urls["P"], BYTES_SENT), link.sent_bytes("p")
         order = ("local", "pd") if repeat % 2 == 0 else ("pd", "local")
         for target in order:
+            start = time.perf_counter()
             getattr(cell, target).append(ttft(client, urls[target], prompt))
-        cell.kv_bytes.append(metric(client, urls["P"], BYTES_SENT) - sent)
+            if target == "pd":
+                pd_start = start
+        kv = metric(client, urls["P"], BYTES_SENT) - sent
+        cell.kv_bytes.append(kv)
         cell.wire_bytes.append(link.sent_bytes("p") - wire)
+        cell.wire_from.append(sampler.when(pd_start, 0.05 * kv))
+        cell.wire_to.append(sampler.when(pd_start, 0.95 * kv))
     return cell
 
 
@@ -207,20 +251,20 @@ def report(cell: Cell, shape: ModelShape) -> str:
     kv = statistics.median(cell.kv_bytes)
     link_s = kv * 8 / cell.rate_bit
     layer_s = link_s / shape.layers
-    applies = link_s < local
-    verdict = ("met" if exposed <= 2 * layer_s else "missed") if applies else "n/a"
+    verdict = ("met" if exposed <= 2 * layer_s else "missed") if link_s < local else "n/a"
+    wire = statistics.median(cell.wire_bytes) / max(kv, 1)
+    on_wire = f"{statistics.median(cell.wire_from):.2f}-{statistics.median(cell.wire_to):.2f}"
     return (
-        f"{cell.rate_bit / 1e9:5g} {cell.tokens:6d} {kv / 2**20:8.1f} "
-        f"{statistics.median(cell.wire_bytes) / max(kv, 1):5.3f} {link_s * 1e3:8.1f} "
-        f"{layer_s * 1e3:7.1f} {local * 1e3:8.0f} {pd * 1e3:8.0f} {exposed * 1e3:8.1f} "
-        f"{exposed / link_s:6.2f} {exposed / layer_s:6.2f}  {verdict:6s} "
-        f"load {os.getloadavg()[0]:.1f}"
+        f"{cell.rate_bit / 1e9:6g} {cell.tokens:6d} {kv / 2**20:6.1f} {wire:7.3f} "
+        f"{link_s * 1e3:7.1f} {layer_s * 1e3:8.1f} {local * 1e3:8.0f} {pd * 1e3:8.0f} "
+        f"{exposed * 1e3:8.1f} {exposed / link_s:6.2f} {exposed / layer_s:7.2f} {verdict:>7s} "
+        f"{on_wire:>13s} {os.getloadavg()[0]:5.1f}"
     )
 
 
 HEADER = (
-    "Gbit/s tokens   KV MiB  wire/KV  link ms layer ms local ms    PD ms exposed "
-    "  /link /layer  target(<=2 layers, link<prefill)"
+    "Gbit/s tokens KV MiB wire/KV link ms layer ms local ms    PD ms  exposed  /link  /layer "
+    " target  KV on wire s   load"
 )
 
 
@@ -237,6 +281,7 @@ def run(args: argparse.Namespace, shape: ModelShape, tmp: Path) -> None:
             with link.entered("p"):
                 deployment.start(max_len)
                 deployment.wait_ready()
+                deployment.sampler.start()
                 with httpx.Client(timeout=900) as client:
                     for n in tokens:  # warm both paths up at each length
                         measure(client, deployment, Cell(int(rates[0]), n), 1, gen)
@@ -275,8 +320,13 @@ def main() -> None:
         f"medians of {args.repeats} prompts"
     )
     print(HEADER)
-    with tempfile.TemporaryDirectory(prefix="pd_link_") as tmp:
-        run(args, shape, Path(tmp))
+    tmp = Path(tempfile.mkdtemp(prefix="pd_link_"))
+    try:
+        run(args, shape, tmp)
+    except BaseException:
+        print(f"the processes' logs: {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp)
 
 
 if __name__ == "__main__":
