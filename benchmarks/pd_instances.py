@@ -10,6 +10,7 @@ computes a prompt on the same cores as P. The proxy and the clients are never pi
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -86,6 +87,38 @@ def split_cores() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(cores[:half]), tuple(cores[half:])
 
 
+#: How a benchmark's instances use the cores: P and D on disjoint halves, or anywhere.
+MODES = ("pinned", "unpinned")
+
+
+def add_deployment_args(ap: argparse.ArgumentParser) -> None:
+    """``--modes``, ``--send-type`` and ``--transport``, as every 1P1D benchmark takes them."""
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
+    ap.add_argument(
+        "--transport",
+        default=None,
+        choices=["shm", "network"],
+        help="same_host_transport of P and D (default: the connector's default)",
+    )
+
+
+def parse_modes(ap: argparse.ArgumentParser, modes: str) -> list[str]:
+    """``--modes``, checked."""
+    names = modes.split(",")
+    if bad := [m for m in names if m not in MODES]:
+        ap.error(f"--modes: {bad} not in {MODES}")
+    return names
+
+
+def mode_pinnings(mode: str) -> tuple[Pinning, Pinning]:
+    """P's and D's pinning in ``mode`` (a single instance compared with them takes P's)."""
+    if mode == "unpinned":
+        return Pinning(), Pinning()
+    p_cores, d_cores = split_cores()
+    return Pinning(p_cores), Pinning(d_cores)
+
+
 @functools.cache
 def serve_has_cpu_cores_flag() -> bool:
     """Whether ``pagedkv serve --help`` lists ``--cpu-cores``."""
@@ -123,21 +156,29 @@ class Pinning:
 
 
 class Processes:
-    """Every process of one run, each logging to ``log_dir/<name>.log``; all stopped on close."""
+    """Every process of one run, each logging to ``log_dir/<name>.log``; all stopped by
+    ``stop``. Each gets the repository on its path and one KV secret."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, name: str, args: list[str], pinning: Pinning = Pinning()) -> None:
-        """``python -m pagedkv <args>``, pinned as asked."""
+    def start(self, name: str, argv: list[str], pinning: Pinning = Pinning()) -> subprocess.Popen:
+        """Any command; a ``pagedkv serve`` command line pinned as asked."""
         env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDKV_KV_SECRET": "bench-secret"}
-        argv = pinning.apply([sys.executable, "-m", "pagedkv", *args], env)
+        argv = pinning.apply(argv, env)
         log = (self.log_dir / f"{name}.log").open("w")
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
+        return proc
 
-    def close(self) -> None:
+    def serve(self, name: str, port: int, *extra: str, pinning: Pinning = Pinning()) -> str:
+        """``pagedkv serve --port PORT *extra``; its URL (not waited for)."""
+        argv = [sys.executable, "-m", "pagedkv", "serve", "--port", str(port), *extra]
+        self.start(name, argv, pinning)
+        return f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -189,9 +230,7 @@ class PDSetup:
 
 def start_single(procs: Processes, serve_args: list[str], pinning: Pinning) -> str:
     """One plain instance; its URL once healthy."""
-    port = free_port()
-    procs.start("single", ["serve", *serve_args, "--port", str(port)], pinning)
-    url = f"http://127.0.0.1:{port}"
+    url = procs.serve("single", free_port(), *serve_args, pinning=pinning)
     wait_health(url)
     return url
 
@@ -202,14 +241,13 @@ def start_1p1d(
     """A proxy, a P and a D; the proxy's URL and the instances' URLs once both registered."""
     proxy_port, registry_port = free_port(), free_port()
     proxy_args = ["--port", str(proxy_port), "--registry-port", str(registry_port)]
-    procs.start("proxy", ["proxy", *proxy_args, "--log-level", "warning"])
+    proxy_argv = [sys.executable, "-m", "pagedkv", "proxy", *proxy_args, "--log-level", "warning"]
+    procs.start("proxy", proxy_argv)
     instance_urls = []
     for role, name, pinning in (("kv_producer", "P", p), ("kv_consumer", "D", d)):
-        port = free_port()
         config = setup.kv_config(role, f"bench-{name}", registry_port)
-        args = ["serve", *serve_args, "--port", str(port), "--kv-transfer-config", config]
-        procs.start(name, args, pinning)
-        instance_urls.append(f"http://127.0.0.1:{port}")
+        extra = [*serve_args, "--kv-transfer-config", config]
+        instance_urls.append(procs.serve(name, free_port(), *extra, pinning=pinning))
     for url in instance_urls:
         wait_health(url)
     proxy = f"http://127.0.0.1:{proxy_port}"

@@ -28,18 +28,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.pd_instances import (  # noqa: E402
+    MODES,
     VOCAB_SIZE,
     PDSetup,
-    Pinning,
     Processes,
+    add_deployment_args,
     build_small_llama,
     load_average,
     machine_info,
-    split_cores,
+    mode_pinnings,
+    parse_modes,
     start_1p1d,
 )
-
-MODES = ("pinned", "unpinned")
 
 
 class LoadRow(NamedTuple):
@@ -90,11 +90,7 @@ def parse_summary(mode: str, result_json: Path) -> LoadRow:
 
 def run_mode(model: Path, mode: str, args: argparse.Namespace) -> LoadRow:
     """Start a 1P1D deployment pinned as ``mode`` says, load it through the proxy, stop it."""
-    if mode == "pinned":
-        p_cores, d_cores = split_cores()
-        p_pin, d_pin = Pinning(p_cores), Pinning(d_cores)
-    else:
-        p_pin = d_pin = Pinning()
+    p_pin, d_pin = mode_pinnings(mode)
     print(f"  {mode}: P {p_pin.how}; D {d_pin.how}; load before {load_average()}", flush=True)
     max_len = args.input_len + args.output_len + 64
     serve_args = [str(model), "--max-model-len", str(max_len), "--log-level", "warning"]
@@ -113,7 +109,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> LoadRow:
             raise RuntimeError(f"bench serve wrote no results: see {log_dir / 'bench_serve.log'}")
         row = parse_summary(mode, out)
     finally:
-        procs.close()
+        procs.stop()
     print(
         f"    {row.request_throughput:7.2f} req/s   {row.output_throughput:8.1f} output tok/s   "
         f"TTFT p50 {row.ttft_p50_ms:8.1f} ms   p99 {row.ttft_p99_ms:8.1f} ms   "
@@ -144,18 +140,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="output tokens")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="pinned,unpinned", help=f"comma-separated, of {MODES}")
-    ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
-    ap.add_argument(
-        "--transport",
-        default=None,
-        choices=["shm", "network"],
-        help="same_host_transport of P and D (default: the connector's default)",
-    )
+    add_deployment_args(ap)
     args = ap.parse_args()
-    modes = args.modes.split(",")
-    if bad := [m for m in modes if m not in MODES]:
-        ap.error(f"--modes: {bad} not in {MODES}")
+    modes = parse_modes(ap, args.modes)
     print(f"machine: {machine_info()}")
     print(
         f"1P1D {args.send_type} (same_host_transport: {args.transport or 'default'}) behind the "

@@ -68,24 +68,26 @@ def has_shm_transport() -> bool:
     return "same_host_transport" in inspect.signature(PairGroups).parameters
 
 
-def memcpy_gbps(total_bytes: int, repeats: int, threads: int) -> float:
-    """GB/s of one contiguous ``copy_`` of ``total_bytes`` on ``threads`` threads, the median
-    of ``repeats`` after a warm-up (page faults), each copy cache-cold."""
-    src = torch.ones(total_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    scrub = torch.empty(SCRUB_BYTES, dtype=torch.uint8)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    times = []
-    try:
-        for _ in range(repeats + 1):
-            scrub.fill_(1)
+class MemcpyCeiling:
+    """One contiguous ``copy_`` of ``total_bytes`` in this process, cache-cold: the source
+    and destination are written over by a scrub buffer before each timed copy."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.src = torch.ones(total_bytes, dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)  # touched: no page faults in the timed copies
+        self.scrub = torch.empty(SCRUB_BYTES, dtype=torch.uint8)
+
+    def time_once(self, threads: int) -> float:
+        """Seconds for one copy on ``threads`` threads."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            self.scrub.fill_(1)
             t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return total_bytes / statistics.median(times[1:]) / 1e9
+            self.dst.copy_(self.src)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(before)
 
 
 class Row(NamedTuple):
@@ -105,6 +107,7 @@ class Peers:
     """The P and D processes and the pipes to them."""
 
     def __init__(self, args: dict) -> None:
+        self.placement = args["placement"]
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = {}, []
         for role in ("P", "D"):
@@ -181,21 +184,34 @@ def run_placement(
             if path in paths and kinds.get(stack) != ("gloo" if stack == "network" else stack):
                 print(f"    note: {path} ran over {kinds.get(stack)!r}, not {stack!r}")
         for n_tokens in tokens:
-            times: dict[str, list[float]] = {path: [] for path in paths}
-            for rep in range(opts.repeats + 1):  # the first is a warm-up (page faults, buffers)
-                for path in paths:
-                    elapsed = peers.time_once(path, n_tokens // BLOCK_SIZE, rep)
-                    if rep:
-                        times[path].append(elapsed)
-            total = n_tokens * BYTES_PER_TOKEN
-            gbps = {path: total / statistics.median(t) / 1e9 for path, t in times.items()}
-            gbps["memcpy"] = memcpy_gbps(total, opts.repeats, 1)
-            gbps["memcpy-N"] = memcpy_gbps(total, opts.repeats, 2 * opts.threads)
-            rows.append(Row(placement, n_tokens, gbps))
+            rows.append(time_prompt(peers, n_tokens, paths, opts))
             print_row(rows[-1], paths, 2 * opts.threads)
     finally:
         peers.close()
     return rows
+
+
+def time_prompt(peers: Peers, n_tokens: int, paths: list[str], opts: argparse.Namespace) -> Row:
+    """Every path, and memcpy on 1 and on both sides' threads, taking turns within each
+    repeat (so that a change in the machine's load falls on all of them); medians."""
+    total = n_tokens * BYTES_PER_TOKEN
+    ceiling = MemcpyCeiling(total)
+    copies = {"memcpy": 1, "memcpy-N": 2 * opts.threads}
+    times: dict[str, list[float]] = {path: [] for path in [*paths, *copies]}
+    for rep in range(opts.repeats + 1):  # the first is a warm-up (page faults, buffers)
+        for path in paths:
+            elapsed = peers.time_once(path, n_tokens // BLOCK_SIZE, rep)
+            if rep:
+                times[path].append(elapsed)
+        for name, threads in copies.items():
+            elapsed = ceiling.time_once(threads)
+            if rep:
+                times[name].append(elapsed)
+    return Row(
+        placement=peers.placement,
+        tokens=n_tokens,
+        gbps={path: total / statistics.median(t) / 1e9 for path, t in times.items()},
+    )
 
 
 def print_row(row: Row, paths: list[str], threads: int) -> None:

@@ -83,6 +83,18 @@ def wire_of(group: Any) -> tuple[tuple, str]:
     return (wire,), wire.kind
 
 
+def lane_classes(kind: str) -> tuple[type, type]:
+    """The (send, receive) lane classes for a wire of ``kind``."""
+    if kind == "shm":
+        from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
+
+        return ShmSendLane, ShmReceiveLane
+    from pagedkv.kv_transfer.p2p.lanes import SendLane
+    from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
+
+    return SendLane, ReceiveLane
+
+
 class LaneStack:
     """One data path between the two processes: control plane, pair groups, this side's lane."""
 
@@ -104,7 +116,10 @@ class LaneStack:
         }
         codec = Codec("bench", None, 1 << 20, MESSAGE_TYPES)
         self.plane = ControlPlane(codec, self.me, handlers, name=self.me.engine_id)
-        transport = {} if args["legacy_groups"] else {"same_host_transport": path}
+        # As the connector sizes it: a ring holds the bytes in flight, at least two messages.
+        ring = max(args["in_flight_bytes"], 2 * args["chunk_bytes"])
+        transport = {"same_host_transport": path, "ring_capacity": ring}
+        transport = {} if args["legacy_groups"] else transport
         self.groups = PairGroups(self.me, self.plane.send, 30, 60, **transport)
         self.plane.start()
         self.lane: Any = None
@@ -120,22 +135,20 @@ class LaneStack:
     def connect(self) -> str:
         """Set up the pair group (D initiates, as on a first WANT) and start this side's lane;
         the kind of its wire."""
-        from pagedkv.kv_transfer.p2p.lanes import SendLane
-        from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
-
         group = self.groups.ensure(self.other) if self.role == "D" else self._wait_group()
         if not group.ready.wait(30) or group.error is not None:
             raise TimeoutError(f"pair group not ready: {group.error}")
         wire, kind = wire_of(group)
+        send_lane, receive_lane = lane_classes(kind)
         in_flight = self.args["in_flight_bytes"]
         if self.role == "D":
-            self.lane = ReceiveLane(
+            self.lane = receive_lane(
                 *wire, lambda tid, segments: self.target, lambda segments: self.drain,
                 lambda target, n, error: self.received.set(),
                 lambda reason: print("D lane broken:", reason), in_flight, 60, "bench-recv",
             )  # fmt: skip
         else:
-            self.lane = SendLane(
+            self.lane = send_lane(
                 *wire, group.name, NUM_LAYERS, lambda begin: self.plane.send(self.other, begin),
                 lambda job: None, lambda reason: print("P lane broken:", reason), in_flight, 60,
                 "bench-send",

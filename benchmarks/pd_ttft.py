@@ -38,17 +38,17 @@ sys.path.insert(0, str(REPO))
 from benchmarks.pd_instances import (  # noqa: E402
     VOCAB_SIZE,
     PDSetup,
-    Pinning,
     Processes,
+    add_deployment_args,
     build_small_llama,
     load_average,
     machine_info,
-    split_cores,
+    mode_pinnings,
+    parse_modes,
     start_1p1d,
     start_single,
 )
 
-MODES = ("pinned", "unpinned")
 TARGET_TOKENS, TARGET_OVERHEAD = 2048, 0.10
 
 
@@ -64,14 +64,6 @@ class TTFTRow(NamedTuple):
     @property
     def overhead(self) -> float:
         return self.pd_s / self.single_s - 1
-
-
-def mode_pinnings(mode: str) -> tuple[Pinning, Pinning, Pinning]:
-    """(single, P, D) pinnings of a mode."""
-    if mode == "unpinned":
-        return Pinning(), Pinning(), Pinning()
-    p_cores, d_cores = split_cores()
-    return Pinning(p_cores), Pinning(p_cores), Pinning(d_cores)
 
 
 def time_request(client, url: str, prompt: list[int]) -> float:
@@ -109,7 +101,8 @@ def run_mode(
 ) -> list[TTFTRow]:
     """Start a single instance and a 1P1D deployment pinned as ``mode`` says, time every
     prompt length, stop them."""
-    single_pin, p_pin, d_pin = mode_pinnings(mode)
+    p_pin, d_pin = mode_pinnings(mode)
+    single_pin = p_pin
     print(
         f"  {mode}: single {single_pin.how}; P {p_pin.how}; D {d_pin.how}; "
         f"load before {load_average()}",
@@ -134,7 +127,7 @@ def run_mode(
                 flush=True,
             )
     finally:
-        procs.close()
+        procs.stop()
     print(f"    logs: {log_dir}", flush=True)
     return rows
 
@@ -164,20 +157,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="256 and 2k tokens, 3 repeats")
     ap.add_argument("--tokens", default=None, help="prompt lengths, default 256,2048,8192")
     ap.add_argument("--repeats", type=int, default=None, help="requests per length and side")
-    ap.add_argument("--modes", default="pinned,unpinned", help=f"comma-separated, of {MODES}")
-    ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
-    ap.add_argument(
-        "--transport",
-        default=None,
-        choices=["shm", "network"],
-        help="same_host_transport of P and D (default: the connector's default)",
-    )
+    add_deployment_args(ap)
     args = ap.parse_args()
     default = "256,2048" if args.quick else "256,2048,8192"
     lengths = [int(t) for t in (args.tokens or default).split(",")]
-    modes = args.modes.split(",")
-    if bad := [m for m in modes if m not in MODES]:
-        ap.error(f"--modes: {bad} not in {MODES}")
+    modes = parse_modes(ap, args.modes)
     setup = PDSetup(args.send_type, args.transport)
     print(f"machine: {machine_info()}")
     print(
