@@ -268,3 +268,25 @@ def wait_registered(proxy: str, timeout_s: float = 60) -> dict:
         if time.monotonic() > deadline:
             raise TimeoutError(f"instances did not register: {live}")
         time.sleep(0.2)
+
+
+def kv_paths(proxy: str, timeout_s: float = 10.0) -> str:
+    """The path KV takes between each registered instance and its peers, as ``/instances``
+    reports it (e.g. ``bench-D: bench-P shm``); waits a few heartbeats for every instance to
+    report a pair."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = httpx.get(f"{proxy}/instances", timeout=5).json()
+        instances = live.get("prefill", []) + live.get("decode", [])
+        if any("kv_paths" not in instance for instance in instances):
+            return "not reported by this proxy"
+        if all(instance["kv_paths"] for instance in instances) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return "; ".join(
+        f"{instance['engine_id']}: "
+        + (", ".join(f"{peer} {path}" for peer, path in instance["kv_paths"].items()) or "none")
+        for instance in instances
+    )

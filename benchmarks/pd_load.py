@@ -34,6 +34,7 @@ from benchmarks.pd_instances import (  # noqa: E402
     Processes,
     add_deployment_args,
     build_small_llama,
+    kv_paths,
     load_average,
     machine_info,
     mode_pinnings,
@@ -108,6 +109,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> LoadRow:
         if not out.exists():
             raise RuntimeError(f"bench serve wrote no results: see {log_dir / 'bench_serve.log'}")
         row = parse_summary(mode, out)
+        print(f"    KV paths: {kv_paths(proxy)}", flush=True)
     finally:
         procs.stop()
     print(

@@ -41,6 +41,7 @@ from benchmarks.pd_instances import (  # noqa: E402
     Processes,
     add_deployment_args,
     build_small_llama,
+    kv_paths,
     load_average,
     machine_info,
     mode_pinnings,
@@ -126,6 +127,7 @@ def run_mode(
                 f"(median of {row.repeats}, load {load_average()})",
                 flush=True,
             )
+        print(f"    KV paths: {kv_paths(urls['pd'])}", flush=True)
     finally:
         procs.stop()
     print(f"    logs: {log_dir}", flush=True)
