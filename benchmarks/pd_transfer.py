@@ -18,7 +18,7 @@ and the ratios shm / memcpy (target >= 0.5, every placement) and gloo / TCP (tar
 for scattered blocks). Each side uses ``--threads`` torch threads (default: half the cores).
 Medians over repeats, the first a warm-up; the machine's load is printed per placement.
 
-    python benchmarks/pd_transfer.py                     # 1k-16k tokens, 3 placements (~5 min)
+    python benchmarks/pd_transfer.py --markdown          # 1k-16k tokens, 3 placements (~6 min)
     python benchmarks/pd_transfer.py --quick             # 1k and 4k tokens, fewer repeats
     python benchmarks/pd_transfer.py --tokens 1024,8192 --placement random --paths gloo,tcp
 """
@@ -247,6 +247,20 @@ def print_verdicts(rows: list[Row]) -> None:
                 )
 
 
+def print_markdown(rows: list[Row], paths: list[str], threads: int) -> None:
+    """The rows as a Markdown table, for docs/benchmarks.md."""
+    columns = [*paths, "memcpy", "memcpy-N"]
+    names = [*paths, "memcpy 1t", f"memcpy {threads}t"]
+    print("GB/s of each path, ratios in bold:")
+    print(f"| placement | tokens | {' | '.join(names)} | shm / memcpy | gloo / TCP |")
+    print("|---" * (len(names) + 4) + "|")
+    for row in rows:
+        rates = " | ".join(f"{row.gbps[c]:.2f}" for c in columns)
+        ratios = [row.ratio("shm", "memcpy"), row.ratio("gloo", "tcp")]
+        shown = " | ".join("" if r is None else f"**{r:.2f}**" for r in ratios)
+        print(f"| {row.placement} | {row.tokens} | {rates} | {shown} |")
+
+
 def parse_args() -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, 3 repeats")
@@ -256,6 +270,7 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
     ap.add_argument("--in-flight-mib", type=float, default=32, help="bytes in flight each way")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--placement", default=",".join(PLACEMENTS), help=f"of {PLACEMENTS}")
+    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
     ap.add_argument(
         "--paths", default="shm,gloo,gloo-raw,tcp", help=f"of {PATHS} (shm: where built)"
     )
@@ -288,6 +303,8 @@ def main() -> None:
         )
         rows += run_placement(placement, tokens, paths, opts)
     print_verdicts(rows)
+    if opts.markdown:
+        print_markdown(rows, paths, 2 * opts.threads)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch
 from benchmarks import pd_instances
 from benchmarks.pd_instances import Pinning
 from benchmarks.pd_load import bench_serve_argv, parse_summary
-from benchmarks.pd_transfer import has_shm_transport, run_placement
+from benchmarks.pd_transfer import has_shm_transport, print_markdown, run_placement
 from benchmarks.pd_transfer_peer import BLOCK_SIZE, RUN_BLOCKS, block_ids
 from benchmarks.pd_ttft import TTFTRow, repeats_for
 from pagedkv.entrypoints.cli import make_parser
@@ -42,6 +42,10 @@ def test_every_path_moves_a_prompts_kv(capsys):
     assert set(row.gbps) == {*paths, "memcpy", "memcpy-N"}
     assert all(rate > 0 for rate in row.gbps.values())
     assert "gloo/TCP" in capsys.readouterr().out
+    print_markdown([row], paths, 2)
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].startswith("| placement | tokens | gloo |") and "memcpy 2t" in table[1]
+    assert table[3].startswith(f"| random | {4 * BLOCK_SIZE} |")
 
 
 def test_pinning_uses_the_flag_when_serve_has_it_else_taskset(monkeypatch):
