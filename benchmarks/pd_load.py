@@ -5,9 +5,12 @@ A small random Llama (the hf_peer anchor's: 19M parameters, 4 layers, fp32) as a
 (P2P connector, PUT_ASYNC) behind ``pagedkv proxy``; ``pagedkv bench serve`` runs 64 streaming
 clients through the proxy for 60 s, each sending its next request as soon as its last one
 ended, every prompt fresh (random token ids: each moves its whole KV from P to D). Per mode
-(fresh processes each): requests/s, output tokens/s, TTFT p50/p99, failed requests, and whether
-P and D came back to rest (``--check-metrics``). The load generator's own summary and JSON
-are kept in the run's log directory.
+(fresh processes each): requests/s, output tokens/s, TTFT p50/p99, ITL p50, failed requests,
+and whether P and D came back to rest (``--check-metrics``). The load generator's summary and
+JSON stay in the run's log directory.
+
+In a closed loop a client's cycle is fixed by the throughput (64 / requests per second), so
+TTFT shows where the queue forms (at P: long TTFT, short ITL) more than how fast one prompt is.
 
     python benchmarks/pd_load.py                          # pinned and unpinned, 60 s each
     python benchmarks/pd_load.py --duration 10 --clients 16   # a quick check
@@ -53,6 +56,7 @@ class LoadRow(NamedTuple):
     output_throughput: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    itl_p50_ms: float
     at_rest: bool
 
 
@@ -85,6 +89,7 @@ def parse_summary(mode: str, result_json: Path) -> LoadRow:
         summary["output_throughput"],
         ttft.get("p50_ms", float("nan")),
         ttft.get("p99_ms", float("nan")),
+        summary["itl"].get("p50_ms", float("nan")),
         all(summary.get("instances", {}).values()),
     )
 
@@ -115,6 +120,7 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace) -> LoadRow:
     print(
         f"    {row.request_throughput:7.2f} req/s   {row.output_throughput:8.1f} output tok/s   "
         f"TTFT p50 {row.ttft_p50_ms:8.1f} ms   p99 {row.ttft_p99_ms:8.1f} ms   "
+        f"ITL p50 {row.itl_p50_ms:6.1f} ms   "
         f"{row.completed} ok, {row.failed} failed, instances at rest: {row.at_rest}   "
         f"(load after {load_average()}; logs: {log_dir})",
         flush=True,

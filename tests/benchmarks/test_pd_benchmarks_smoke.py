@@ -75,13 +75,14 @@ def test_a_load_runs_results_are_read_from_bench_serves_json(tmp_path):
         "request_throughput": 2.5,
         "output_throughput": 160.0,
         "ttft": {"mean_ms": 9.0, "p50_ms": 8.0, "p90_ms": 11.0, "p99_ms": 12.0},
+        "itl": {"mean_ms": 2.0, "p50_ms": 1.5, "p90_ms": 3.0, "p99_ms": 4.0},
         "instances": {"http://a": True, "http://b": False},
     }
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"config": {}, "summary": summary, "requests": []}))
     row = parse_summary("pinned", path)
     assert (row.completed, row.failed, row.ttft_p50_ms, row.ttft_p99_ms) == (10, 1, 8.0, 12.0)
-    assert (row.output_throughput, row.at_rest) == (160.0, False)
+    assert (row.output_throughput, row.itl_p50_ms, row.at_rest) == (160.0, 1.5, False)
 
 
 def test_ttft_overhead_and_repeats():
