@@ -9,7 +9,8 @@ deployments take turns, one request at a time, the first round a warm-up. Median
 
 Two modes, each with its own fresh processes:
   pinned    P and D on disjoint halves of the cores, the single instance on P's half (the
-            same compute for the prompt); see pd_instances.py for how.
+            same compute for the prompt; P logs that it shares cores with it: they never
+            compute at once); see pd_instances.py for how.
   unpinned  every instance free to use every core with its default threads.
 
 Target: 1P1D within +10 % of one instance at 2k tokens, pinned. The machine's load is printed
