@@ -127,10 +127,16 @@ class LaneStack:
         self.target: tuple[Load, list] | None = None
         self.drain: list = []
         self.received = threading.Event()
+        self.error: Exception | None = None
 
     def _receive(self, begin: Any) -> None:
         """D: a batch announced by P, for the lane (a handler's return value is an answer)."""
         self.lane.submit(begin)
+
+    def _received(self, error: Exception | None) -> None:
+        """D: the transfer's last message is in, or it failed (``error``)."""
+        self.error = error
+        self.received.set()
 
     def connect(self) -> str:
         """Set up the pair group (D initiates, as on a first WANT) and start this side's lane;
@@ -144,7 +150,7 @@ class LaneStack:
         if self.role == "D":
             self.lane = receive_lane(
                 *wire, lambda tid, segments: self.target, lambda segments: self.drain,
-                lambda target, n, error: self.received.set(),
+                lambda target, n, error: self._received(error),
                 lambda reason: print("D lane broken:", reason), in_flight, 60, "bench-recv",
             )  # fmt: skip
         else:
@@ -239,6 +245,7 @@ class BenchPeer:
             layers = [LayerBlocks(cache, dst_ids, segments[0]) for cache in self.caches]
             stack.target, stack.drain = (Load(cancelled=raw), layers), layers
             stack.received.clear()
+            stack.error = None
         self.reply({"armed": True})
         json.loads(self.conn.recv())  # "go"
         t0 = time.monotonic()
@@ -248,6 +255,8 @@ class BenchPeer:
             self._send(stack, command["seed"], torch.arange(1, n + 1) if raw else src_ids, segments)
         elif not stack.received.wait(300):
             raise TimeoutError(f"{op}: D received nothing in 300 s")
+        elif stack.error is not None:
+            raise stack.error
         t1 = time.monotonic()
         check = None
         if self.role == "D" and stack is not None and not raw:  # blocks landed where D wanted
