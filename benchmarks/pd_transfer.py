@@ -124,7 +124,10 @@ class Peers:
             self.pipes[role].send(json.dumps(message))
         if not self.pipes[role].poll(timeout):
             raise TimeoutError(f"{role} did not answer in {timeout:g} s")
-        return json.loads(self.pipes[role].recv())
+        answer = json.loads(self.pipes[role].recv())
+        if "error" in answer:
+            raise RuntimeError(f"{role}: {answer['error']}")
+        return answer
 
     def connect(self) -> dict[str, str]:
         """Set up every data path; D's kind of wire per path."""

@@ -208,10 +208,14 @@ class BenchPeer:
         self.reply({"ready": True})
         try:
             while (command := json.loads(self.conn.recv()))["op"] != "stop":
-                if command["op"] == "connect":
-                    self.reply({"kinds": self.connect()})
-                else:
-                    self.reply(self.transfer(command))
+                try:
+                    if command["op"] == "connect":
+                        self.reply({"kinds": self.connect()})
+                    else:
+                        self.reply(self.transfer(command))
+                except Exception as e:  # the parent raises it, naming this side
+                    self.reply({"error": f"{type(e).__name__}: {e}"})
+                    raise
         finally:
             for stack in self.stacks.values():
                 stack.close()
