@@ -137,6 +137,11 @@ class LLMEngine:
         """Requests running and waiting now (plain ints the engine thread writes)."""
         return self.scheduler.stats.num_running_reqs, self.scheduler.stats.num_waiting_reqs
 
+    def kv_paths(self) -> dict[str, str]:
+        """Peer engine id -> the path KV takes with it (the worker half's ``kv_paths``)."""
+        connector = self.model_runner.kv_connector
+        return connector.kv_paths() if connector is not None else {}
+
     def _init_kv_cache(self, enable_kv_cache_events: bool) -> None:
         """Size the KV cache and make its manager (refusing a cache that cannot hold a request
         of ``max_model_len`` tokens) and block hasher; allocate it in the model runner and warm

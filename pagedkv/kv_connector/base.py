@@ -217,6 +217,11 @@ class KVConnectorWorker(KVConnectorHalf, ABC):
         """After the forward pass: block until the cache may be overwritten."""
         return None
 
+    def kv_paths(self) -> dict[str, str]:
+        """Peer engine id -> the path KV takes with it now (e.g. "shm", "gloo"), for the
+        peers this half moves KV with directly (none by default). Read from any thread."""
+        return {}
+
     def wait_for_progress(self, timeout: float) -> None:
         """Called when a step had nothing to compute and only transfers are pending: block up to
         ``timeout`` seconds (``POLL_S`` unless ``signals_progress``), returning early once

@@ -6,6 +6,8 @@ The child steps its engine on a thread whenever it has work; the parent sends JS
 
 Test hooks (``hook=``), applied inside the child only:
   "die_mid_transfer"  P SIGKILLs itself right after D received its first KV message
+  "die_mid_receive"   D SIGKILLs itself right after it took its first KV message (shared memory)
+  "boot_id:<id>"      this engine reports another boot id (a peer on "another host")
   "die_after_want"    D exits 0.3 s after it sent its first WANT
   "slow_step:<s>"     every step that computes something takes s seconds longer (a busy P:
                       its queue drains slowly while its control plane answers as usual)
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 import json
 import logging
 import multiprocessing as mp
@@ -79,7 +82,7 @@ def _fault_control_plane(spec: str) -> None:
 
 
 def _apply_hook(hook: str) -> None:
-    from pagedkv.kv_transfer.p2p import inbound, lanes
+    from pagedkv.kv_transfer.p2p import inbound, lanes, same_host, shm_lanes, shm_ring
 
     if hook.startswith(("drop:", "delay:")):
         _fault_control_plane(hook)
@@ -105,8 +108,24 @@ def _apply_hook(hook: str) -> None:
             original_complete(self)
             os.kill(os.getpid(), signal.SIGKILL)
 
+        def publish_then_die(self, *args, **kwargs):  # shared memory: once D has taken it
+            original_publish(self, *args, **kwargs).work.wait(datetime.timedelta(seconds=30))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        original_publish = shm_lanes.ShmSendLane._send_message
         lanes.SendLane.__init__ = one_in_flight
         lanes.SendLane._complete_oldest = complete_then_die
+        shm_lanes.ShmSendLane._send_message = publish_then_die
+    elif hook == "die_mid_receive":  # D: SIGKILLed once it took its first KV message
+        original_release = shm_ring.ShmRing.release
+
+        def release_then_die(self):
+            original_release(self)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shm_ring.ShmRing.release = release_then_die
+    elif hook.startswith("boot_id:"):  # as if on another host (or after a reboot)
+        same_host.boot_id = lambda: hook.split(":", 1)[1]
     elif hook == "die_after_want":
         original_load = inbound.InboundTransfers.on_load
 
@@ -190,6 +209,7 @@ def _child(conn, model: str, engine_kwargs: dict, hook: str | None, log_path: st
                     "fingerprint": engine.description.identity.fingerprint,
                     "kv_cache_usage": engine.kv_cache_manager.usage,
                     "unfinished": engine.has_unfinished_requests(),
+                    "kv_paths": engine.kv_paths(),
                     "connector": {  # both halves'; histograms left out (not JSON)
                         name: value
                         for name, value in engine.get_kv_connector_stats().items()

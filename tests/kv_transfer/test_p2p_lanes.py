@@ -1,5 +1,6 @@
-"""The data path of one pair group, in one process over a real two-rank gloo group: P's
-SendLane and D's ReceiveLane, batches, drains, teardown, and the staging ring."""
+"""The data path of one pair group, in one process over a real two-rank gloo group and over a
+real shared-memory segment: P's send lane and D's receive lane, batches, drains, teardown, and
+the staging ring."""
 
 from __future__ import annotations
 
@@ -16,20 +17,27 @@ from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
 from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
+from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, consecutive_start, plan_segments
 from tests.kv_transfer.test_p2p_units import _two_instances, wait_until
 
 NUM_LAYERS, NUM_BLOCKS = 3, 24
 
 
-@pytest.fixture
-def pair():
-    """Two instances' control planes and pair groups, the group between them set up."""
-    planes, groups = _two_instances()
+#: The shared-memory rings are small (4 KiB: two messages of these tests), so P waits for D.
+SHM_RING_BYTES = 4096
+
+
+@pytest.fixture(params=["network", "shm"])
+def pair(request):
+    """Two instances' control planes and pair groups, the group between them set up over gloo
+    ("network") or shared memory."""
+    planes, groups = _two_instances(request.param, SHM_RING_BYTES)
     a, b = groups["engine-a"], groups["engine-b"]
     group_a = a.ensure(planes[1].address)
     group_a.ready.wait(10)
-    wait_until(lambda: b.get("engine-a") is not None and b.get("engine-a").pg is not None)
+    wait_until(lambda: b.get("engine-a") is not None and b.get("engine-a").wire is not None)
+    assert group_a.wire.kind == {"network": "gloo", "shm": "shm"}[request.param]
     try:
         yield group_a, b.get("engine-a"), groups
     finally:
@@ -37,6 +45,11 @@ def pair():
             g.close()
         for plane in planes:
             plane.close()
+
+
+def lane_classes(group) -> tuple[type[SendLane], type[ReceiveLane]]:
+    shm = group.wire.kind == "shm"
+    return (ShmSendLane, ShmReceiveLane) if shm else (SendLane, ReceiveLane)
 
 
 class Load:
@@ -82,14 +95,15 @@ def test_batches_arrive_in_order_layer_major_each_into_its_own_blocks(pair) -> N
         return [LayerBlocks(cache, torch.zeros(sum(segments[0]), dtype=torch.int64),
                             segments[0]) for cache in dst]  # fmt: skip
 
-    receiver = ReceiveLane(
-        group_b.pg, group_b.peer_rank, resolve, drain_layers,
+    send_lane, receive_lane = lane_classes(group_a)
+    receiver = receive_lane(
+        group_b.wire, resolve, drain_layers,
         lambda load, n, error: received.append((names[id(load)], n, error)),
         lambda reason: pytest.fail(reason), 1024, 10, "recv",
     )  # fmt: skip
     ended: list[Job] = []
-    sender = SendLane(
-        group_a.pg, group_a.peer_rank, group_a.name, NUM_LAYERS,
+    sender = send_lane(
+        group_a.wire, group_a.name, NUM_LAYERS,
         lambda begin: receiver.submit(begin), ended.append,
         lambda reason: pytest.fail(reason), 1024, 10, "send",
     )  # fmt: skip
@@ -131,11 +145,11 @@ def test_a_lane_whose_peer_goes_away_fails_its_jobs_and_lets_the_group_go(pair) 
     group_a, group_b, groups = pair
     src = caches(fill=True)
     ctx = SendContext(src, [0] * NUM_LAYERS, 4, SendPool(0), 10)
-    pgs = [weakref.ref(group_a.pg), weakref.ref(group_b.pg)]
+    pgs = [weakref.ref(group_a.wire), weakref.ref(group_b.wire)]
     broken: list[str] = []
     ended: list[Job] = []
-    sender = SendLane(
-        group_a.pg, group_a.peer_rank, group_a.name, NUM_LAYERS, lambda begin: True,
+    sender = lane_classes(group_a)[0](
+        group_a.wire, group_a.name, NUM_LAYERS, lambda begin: True,
         ended.append, broken.append, 1 << 20, 10, "send",
     )  # fmt: skip
     group_a.attach(sender, None)
@@ -173,6 +187,7 @@ def test_the_staging_ring_hands_out_bytes_first_in_first_out() -> None:
     ring.release()
 
 
+@pytest.mark.parametrize("pair", ["network"], indirect=True)  # gloo: receives posted in blocks
 def test_a_load_cancelled_with_a_receive_in_its_blocks_ends_when_that_receive_has(pair):
     """D receives a run of its blocks straight into them. The load is cancelled while such a
     receive is posted: its end is reported only once that receive has completed (it may
@@ -184,7 +199,7 @@ def test_a_load_cancelled_with_a_receive_in_its_blocks_ends_when_that_receive_ha
     load = Load()
     told: list = []
     receiver = ReceiveLane(
-        group_b.pg, group_b.peer_rank,
+        group_b.wire,
         lambda tid, segs: (load, [LayerBlocks(c, ids, segs[0]) for c in dst]),
         lambda segs: pytest.fail("not drained"),
         lambda target, n, error: told.append((n, error)),
@@ -201,7 +216,7 @@ def test_a_load_cancelled_with_a_receive_in_its_blocks_ends_when_that_receive_ha
     layers = [LayerBlocks(c, ids, segments[0]) for c in src]
     for blocks in layers:  # P sends all of it: 3 layers x (K, V) x 2 segments
         for kv, start, end in blocks.messages():
-            group_a.pg.send([blocks.run(kv, start, end)], group_a.peer_rank, 77).wait()
+            group_a.wire.pg.send([blocks.run(kv, start, end)], group_a.wire.peer_rank, 77).wait()
     wait_until(lambda: len(told) == 2)
     message = src[0][0, 0].numel() * 2 * 2  # 2 blocks of one K or V half
     assert str(told[0][1]) == "cancelled" and told[1] == (12 * message, None)

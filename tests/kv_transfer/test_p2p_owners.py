@@ -302,7 +302,7 @@ def test_a_silent_peer_is_lost_and_its_group_released_but_a_pause_is_not_silence
 
     a, b = bare_peers("a"), bare_peers("b")
     group, _ = up(a, b)
-    pg = weakref.ref(group.pg)
+    pg = weakref.ref(group.wire)
     now = time.monotonic()
     a.on_tick(now, lambda: {})
     a.on_tick(now + 30, lambda: {})  # a paused for 30 s: b had no chance to be heard

@@ -328,8 +328,9 @@ def test_the_pair_store_waits_with_a_timeout_and_can_be_abandoned() -> None:
         store.get("never")
 
 
-def _two_instances():
-    """Two control planes that route Hello/StoreSet to their PairGroups."""
+def _two_instances(transport: str = "network", ring_capacity: int = 32 << 20):
+    """Two control planes that route Hello/StoreSet to their PairGroups (``transport``: their
+    same_host_transport; in one process they are on one host)."""
     groups: dict[str, PairGroups] = {}
     planes = []
     for name in ("engine-a", "engine-b"):
@@ -339,7 +340,9 @@ def _two_instances():
             StoreSet: lambda peer, m, n=name: groups[n].on_store_set(peer, m),
         }
         plane = ControlPlane(codec(), address, handlers, name=name)
-        groups[name] = PairGroups(address, plane.send, setup_timeout_s=10, op_timeout_s=10)
+        groups[name] = PairGroups(
+            address, plane.send, 10, 10, same_host_transport=transport, ring_capacity=ring_capacity
+        )
         plane.start()
         planes.append(plane)
     return planes, groups
@@ -354,7 +357,7 @@ def test_simultaneous_group_setup_from_both_sides_settles_on_one_generation() ->
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             ga, gb = groups["engine-a"].get("engine-b"), groups["engine-b"].get("engine-a")
-            if ga and gb and ga.name == gb.name == winner and ga.pg and gb.pg:
+            if ga and gb and ga.name == gb.name == winner and ga.wire and gb.wire:
                 break
             time.sleep(0.02)
         else:

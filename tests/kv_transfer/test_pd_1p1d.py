@@ -1,5 +1,7 @@
-"""1P1D behind ``pagedkv proxy`` for each send type: greedy outputs equal a single instance,
-D computes only the last prompt token, and both instances end with every block free.
+"""1P1D behind ``pagedkv proxy`` for each send type over shared memory (the default on one
+host), and PUT_ASYNC over gloo too: greedy outputs equal a single instance, D computes only the
+last prompt token, the KV took the path the pair should use, and both instances end with every
+block free.
 
 Under sustained load: 64 streaming clients back to back for ``$PAGEDKV_LOAD_TEST_S`` seconds
 (10 by default; the issue's runs used 60), alone and with two busy-loop processes beside it
@@ -13,6 +15,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -23,16 +26,20 @@ from tests.load_check import short_load
 from tests.tiny_models import random_prompt
 
 
-@pytest.fixture(scope="module", params=["PUT", "PUT_ASYNC", "GET"])
+@pytest.fixture(scope="module", params=["PUT", "PUT_ASYNC", "GET", "PUT_ASYNC-network"])
 def one_pair(request, tiny_model, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    send_type, _, transport = request.param.partition("-")
+    transport = transport or "shm"
     cluster = Cluster(tiny_model, tmp_path_factory.mktemp(f"1p1d-{request.param}"))
     try:
         proxy = cluster.proxy()
-        p, _ = cluster.serve("P", "kv_producer", proxy, send_type=request.param)
+        p, _ = cluster.serve(
+            "P", "kv_producer", proxy, send_type=send_type, same_host_transport=transport
+        )
         d, _ = cluster.serve("D", "kv_consumer", proxy)
         cluster.ready(p, d)
         proxy.wait_for_instances(1, 1)
-        yield SimpleNamespace(proxy=proxy, p=p, d=d)
+        yield SimpleNamespace(proxy=proxy, p=p, d=d, transport=transport)
     finally:
         cluster.close()
 
@@ -46,6 +53,13 @@ def test_1p1d_greedy_equals_a_single_instance(one_pair, reference_text) -> None:
     wait_all_blocks_free({"P": one_pair.p, "D": one_pair.d})
     delivered = "pagedkv:kv_transfer_num_sends_delivered_total"
     assert one_pair.p.metrics()[delivered] == len(prompts)
+    path = {"shm": "shm", "network": "gloo"}[one_pair.transport]
+    assert one_pair.d.metrics()["pagedkv:kv_transfer_pair_groups_shm"] == (path == "shm")
+    deadline = time.monotonic() + 10  # the proxy hears of the pair with D's next heartbeat
+    while "P" not in (paths := one_pair.proxy.instances()["decode"][0]["kv_paths"]):
+        assert time.monotonic() < deadline, paths
+        time.sleep(0.1)
+    assert paths["P"].split()[0] == path, paths
 
 
 LOAD_S = float(os.environ.get("PAGEDKV_LOAD_TEST_S", "10"))

@@ -148,7 +148,13 @@ def run_server(args: argparse.Namespace) -> None:
         stats = engine.kv_event_publisher.get_stats
         registry.register(KVTransferCollector(stats, served_model_name, "kv_events"))
     registrations = start_registration(
-        engine.description, engine.load, registration, served_model_name, args.host, args.port
+        engine.description,
+        engine.load,
+        engine.kv_paths,
+        registration,
+        served_model_name,
+        args.host,
+        args.port,
     )
     app = build_app(
         async_llm,

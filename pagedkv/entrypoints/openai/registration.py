@@ -13,7 +13,12 @@ from typing import Any
 
 from pagedkv.engine.engine_description import EngineDescription
 from pagedkv.entrypoints.openai.registration_client import RegistrationClient, proxy_addresses
-from pagedkv.entrypoints.serving.registration import PLAIN_ROLE, Register
+from pagedkv.entrypoints.serving.registration import (
+    MAX_KV_PATH_CHARS,
+    MAX_KV_PATHS,
+    PLAIN_ROLE,
+    Register,
+)
 from pagedkv.transport.codec import SECRET_ENV
 from pagedkv.transport.peer_addr import PeerAddr
 
@@ -66,6 +71,7 @@ def registration_extra_config(kv_transfer_config: Mapping[str, Any] | None) -> M
 def start_registration(
     description: EngineDescription,
     load: Callable[[], tuple[int, int]],
+    kv_paths: Callable[[], dict[str, str]],
     config: RegistrationConfig,
     served_model_name: str,
     http_host: str,
@@ -102,7 +108,9 @@ def start_registration(
 
     def describe() -> Register:
         num_running, num_waiting = load()
-        return Register(num_running=num_running, num_waiting=num_waiting, **fixed)
+        recent = list(kv_paths().items())[-MAX_KV_PATHS:]  # the most recently set up pairs
+        paths = {peer[:128]: path[:MAX_KV_PATH_CHARS] for peer, path in recent}
+        return Register(num_running=num_running, num_waiting=num_waiting, kv_paths=paths, **fixed)
 
     where = ", ".join(f"{proxy_host}:{proxy_port}" for proxy_host, proxy_port in config.proxies)
     try:

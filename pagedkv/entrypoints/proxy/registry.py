@@ -82,6 +82,7 @@ class Instance:
             else "off",
             "kv_events_endpoint": self.info.kv_events_endpoint or None,
             "kv_tiers": self.info.kv_tiers,
+            "kv_paths": self.info.kv_paths,
             "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
         }
 

@@ -11,10 +11,11 @@ P2P connector (role ``plain``: a replica, never paired) its HTTP address; the me
 role, HTTP URL, model, model fingerprint and KV layout (the proxy pairs only equal
 fingerprints, and says why others do not pair), whether it signs its messages, its load, and
 what a KV-aware router needs: the prefix-cache hash algorithm and block size, the number of KV
-cache groups, where its KV events are published, its KV tiers (medium and capacity), and a
-boot id (a new one: a restarted
-process, whose cache is new). Messages use the connector's Codec (size limits, version,
-namespace check, HMAC-SHA256 when a secret is set), so a rogue process without the secret can't
+cache groups, where its KV events are published, its KV tiers (medium and capacity), the path
+its KV takes with each peer it is paired with (shared memory or gloo), and a boot id (a new
+one: a restarted process, whose cache is new). Messages use the connector's Codec (size
+limits, version, namespace check, HMAC-SHA256 when a secret is set), so a rogue process
+without the secret can't
 register itself and receive prompts. An instance not heard from for ``timeout_s`` drops out;
 one that says ``Deregister`` drops at once.
 
@@ -41,6 +42,10 @@ MAX_REGISTRY_MESSAGE_BYTES = 16 << 10
 PLAIN_ROLE = "plain"
 #: KV tiers a registration may name.
 MAX_KV_TIERS = 8
+#: Peers whose KV path a registration lists at most (the most recently set up are kept), and
+#: the longest path description.
+MAX_KV_PATHS = 32
+MAX_KV_PATH_CHARS = 96
 #: What an instance registers as: plain, or its connector's ``kv_role``.
 ROLES = (PLAIN_ROLE, *map(str, KVRole))
 
@@ -75,6 +80,9 @@ class Register(msgspec.Struct, frozen=True):
     #: Its connector's KV tiers below the pool: medium ("CPU", "DISK", ...) -> capacity in
     #: blocks.
     kv_tiers: dict[str, int] = {}
+    #: Peer engine id -> the path KV takes between the two ("shm", "gloo", with why not shm
+    #: when the pair could have used it).
+    kv_paths: dict[str, str] = {}
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +105,7 @@ class Register(msgspec.Struct, frozen=True):
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             check_zmq_endpoint(name, getattr(self, name))
         check_kv_tiers(self.kv_tiers)
+        check_kv_paths(self.kv_paths)
 
 
 def check_kv_tiers(kv_tiers: dict[str, int]) -> None:
@@ -108,6 +117,18 @@ def check_kv_tiers(kv_tiers: dict[str, int]) -> None:
         raise ValueError(
             f"kv_tiers must be at most {MAX_KV_TIERS} media (names of 1-32 characters) with a "
             f"capacity >= 0, got {str(kv_tiers):.80}"
+        )
+
+
+def check_kv_paths(kv_paths: dict[str, str]) -> None:
+    """At most ``MAX_KV_PATHS`` peers, each an engine id and a short printable description."""
+    if len(kv_paths) > MAX_KV_PATHS or not all(
+        0 < len(peer) <= 128 and 0 < len(path) <= MAX_KV_PATH_CHARS and path.isprintable()
+        for peer, path in kv_paths.items()
+    ):
+        raise ValueError(
+            f"kv_paths must be at most {MAX_KV_PATHS} peers with descriptions of 1-"
+            f"{MAX_KV_PATH_CHARS} characters, got {str(kv_paths):.80}"
         )
 
 

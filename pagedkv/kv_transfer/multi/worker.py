@@ -108,6 +108,9 @@ class MultiConnectorWorker(KVConnectorWorker):
         stats = [worker.get_kv_connector_stats() for worker in self.workers]
         return merged_stats(self.stats_prefixes, stats)
 
+    def kv_paths(self) -> dict[str, str]:
+        return {peer: path for worker in self.workers for peer, path in worker.kv_paths().items()}
+
     def shutdown(self) -> None:
         shutdown_all(self.workers)
 

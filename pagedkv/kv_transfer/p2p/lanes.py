@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch.distributed import ProcessGroupGloo
 
 from pagedkv.kv_transfer.p2p.protocol import MAX_PARTS, XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
+from pagedkv.kv_transfer.p2p.wire import GlooWire, Wire
 
 logger = logging.getLogger(__name__)
 
@@ -128,17 +128,17 @@ class StagingRing:
 
 
 class Lane:
+    """A lane over a ``GlooWire``; shm_lanes.py has the same lanes over a ``ShmWire``."""
+
     def __init__(
         self,
-        pg: ProcessGroupGloo,
-        peer_rank: int,
+        wire: Wire,
         on_broken: Callable[[str], None],
         in_flight_bytes: int,
         timeout_s: float,
         name: str,
     ) -> None:
-        self._pg: ProcessGroupGloo | None = pg
-        self._peer_rank = peer_rank
+        self._wire: Wire | None = wire
         self._on_broken = on_broken
         self._in_flight_bytes = in_flight_bytes
         self._ring = StagingRing(in_flight_bytes)
@@ -146,6 +146,7 @@ class Lane:
         #: or one larger message).
         self._window: deque[Posted] = deque()
         self._window_bytes = 0
+        self._timeout_s = timeout_s
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self.name = name
         self._cond = threading.Condition()
@@ -212,9 +213,11 @@ class Lane:
         except Exception as e:  # stopped, or broken: what is still here ends, failed
             self._broke(str(e))
             self._settle()  # memory is reused only after
-            self._fail(e if isinstance(e, LaneError) else LaneError(str(e)))
+            # A fresh error for the jobs: one carrying this traceback would keep the lane's
+            # frames (and the wire they name) alive for as long as a job is remembered.
+            self._fail(LaneError(str(e)))
         finally:
-            self._pg = None  # the last reference: sockets and threads go with the group
+            self._wire = None  # the last reference: sockets, threads or shared memory go
             self._window.clear()
             self._ring = StagingRing(0)
 
@@ -233,8 +236,7 @@ class SendLane(Lane):
 
     def __init__(
         self,
-        pg: ProcessGroupGloo,
-        peer_rank: int,
+        wire: Wire,
         group: str,
         num_layers: int,
         announce: Callable[[XferBegin], bool],
@@ -244,7 +246,7 @@ class SendLane(Lane):
         timeout_s: float,
         name: str,
     ) -> None:
-        super().__init__(pg, peer_rank, on_broken, in_flight_bytes, timeout_s, name)
+        super().__init__(wire, on_broken, in_flight_bytes, timeout_s, name)
         self.group = group
         self._num_layers = num_layers
         self._announce = announce
@@ -317,26 +319,33 @@ class SendLane(Lane):
                 blocks = job.source.layer(layer)
                 for kv, start, end in blocks.messages():
                     self._check_stopped()
-                    size = blocks.num_bytes(start, end)
-                    while self._window and self._window_bytes + size > self._in_flight_bytes:
-                        self._complete_oldest()
-                    message = blocks.run(kv, start, end)  # sent from the blocks themselves
-                    packed = message is None
-                    if packed:  # packed into the ring while earlier messages are on the wire
-                        staging = self._ring.take(size)
-                        while staging is None:
-                            self._complete_oldest()
-                            staging = self._ring.take(size)
-                        message = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
-                        blocks.gather(kv, start, end, message)
-                    assert self._pg is not None
-                    work = self._pg.send([message], self._peer_rank, tag)
-                    last = self._post(work, message, packed, [])
-        if last is None:  # nothing to send (every segment list empty)
+                    last = self._send_message(blocks, kv, start, end, tag) or last
+        if last is None:  # nothing in flight (nothing to send, or all sent already)
             for job in batch:
                 self._end(job)
         else:
             last.then.extend(batch)
+
+    def _send_message(
+        self, blocks: LayerBlocks, kv: int, start: int, end: int, tag: int
+    ) -> Posted | None:
+        """Put message ``(kv, start, end)`` on the wire; the send in flight, if any."""
+        size = blocks.num_bytes(start, end)
+        while self._window and self._window_bytes + size > self._in_flight_bytes:
+            self._complete_oldest()
+        message = blocks.run(kv, start, end)  # sent from the blocks themselves
+        packed = message is None
+        if packed:  # packed into the ring while earlier messages are on the wire
+            staging = self._ring.take(size)
+            while staging is None:
+                self._complete_oldest()
+                staging = self._ring.take(size)
+            message = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
+            blocks.gather(kv, start, end, message)
+        wire = self._wire
+        assert isinstance(wire, GlooWire)
+        work = wire.pg.send([message], wire.peer_rank, tag)
+        return self._post(work, message, packed, [])
 
     def _complete_oldest(self) -> None:
         sent = self._pop_oldest()

@@ -1,4 +1,5 @@
-"""PairGroups: one 2-rank gloo process group per P/D pair, created on first contact.
+"""PairGroups: one wire per P/D pair, created on first contact: the pair's shared memory when
+both are on one host and boot (same_host.py, shm_segment.py), else a 2-rank gloo process group.
 
 No global world: ``torch.distributed.is_initialized()`` stays False and instances join and leave
 freely. Rank 0 is the instance with the smaller engine id. A group is named by a random
@@ -42,6 +43,8 @@ from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.protocol import Hello, StoreSet, XferBegin
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
 from pagedkv.kv_transfer.p2p.rendezvous import PairStore
+from pagedkv.kv_transfer.p2p.same_host import agree_on_shm
+from pagedkv.kv_transfer.p2p.wire import GlooWire, ShmWire, Wire
 from pagedkv.transport.peer_addr import PeerAddr
 
 logger = logging.getLogger(__name__)
@@ -66,7 +69,10 @@ class PairGroup:
         self.name = name
         self.rank = rank
         self.store = store
-        self.pg: ProcessGroupGloo | None = None
+        #: What the lanes move messages over, once ready: shared memory or gloo.
+        self.wire: Wire | None = None
+        #: Why this same-host-capable pair is not on shared memory (None: it is, or n/a).
+        self.fallback: str | None = None
         self.error: str | None = None
         self.ready = threading.Event()
         self.send_lane: SendLane | None = None
@@ -86,7 +92,7 @@ class PairGroup:
 
     @property
     def is_up(self) -> bool:
-        return self.closed is None and self.pg is not None
+        return self.closed is None and self.wire is not None
 
     def attach(self, send_lane: SendLane | None, receive_lane: ReceiveLane | None) -> bool:
         """Give the ready group its lanes (started here); False if it was torn down first."""
@@ -126,7 +132,9 @@ class PairGroup:
             send_lane, receive_lane = self.send_lane, self.receive_lane
             self.send_lane = self.receive_lane = None
         self.store.abort(reason)
-        self.pg = None
+        if isinstance(self.wire, ShmWire):
+            self.wire.segment.close_pair()
+        self.wire = None
         self._stopped_lanes = [lane for lane in (send_lane, receive_lane) if lane is not None]
         if receive_lane is not None:
             receive_lane.stop(reason)
@@ -152,8 +160,12 @@ class PairGroups:
         on_ready: Callable[[PairGroup], None] | None = None,
         on_dropped: Callable[[PairGroup, str, list[Job]], None] | None = None,
         max_groups: int = 64,
+        same_host_transport: str = "network",
+        ring_capacity: int = 32 << 20,
     ) -> None:
         self.me = me
+        self.same_host_transport = same_host_transport
+        self.ring_capacity = ring_capacity
         self.max_groups = max_groups
         self._send = send
         self._setup_timeout_s = setup_timeout_s
@@ -169,6 +181,8 @@ class PairGroups:
         self.num_dropped_hellos = 0
         #: Groups torn down to stay within ``max_groups``.
         self.num_evicted = 0
+        #: Groups set up over gloo although shared memory was wanted (``PairGroup.fallback``).
+        self.num_shm_fallbacks = 0
 
     def _rank_with(self, peer: PeerAddr) -> int:
         return 0 if self.me.engine_id < peer.engine_id else 1
@@ -272,21 +286,22 @@ class PairGroups:
 
     def _setup(self, group: PairGroup, device: object) -> None:
         try:
-            options = ProcessGroupGloo._Options()
-            options._timeout = datetime.timedelta(seconds=self._op_timeout_s)
-            options._devices = [device]
-            options._threads = 1  # no collectives: send/recv never use the worker threads
-            pg = ProcessGroupGloo(PrefixStore(group.name, group.store), group.rank, 2, options)
+            wire = self._make_wire(group, device)
             with self._lock:
                 current = self._groups.get(group.peer.engine_id) is group and not group.closed
                 if current:
-                    group.pg = pg
-            del pg  # dropped during setup: released here
+                    group.wire = wire
+            del wire  # dropped during setup: released here
             if not current:
                 raise PairGroupError("dropped during setup")
+            assert group.wire is not None
+            how = group.wire.kind
+            if group.fallback is not None:
+                how = f"{how}, not shared memory: {group.fallback}"
             logger.info(
-                "pair group %s with %s ready (rank %d)", group.name[:8], group.peer, group.rank
-            )
+                "pair group %s with %s ready (rank %d, %s)",
+                group.name[:8], group.peer, group.rank, how,
+            )  # fmt: skip
         except Exception as e:
             group.error = str(e)
             group.ready.set()
@@ -303,6 +318,22 @@ class PairGroups:
         group.ready.set()
         if self._on_ready is not None:
             self._on_ready(group)
+
+    def _make_wire(self, group: PairGroup, device: object) -> Wire:
+        """Shared memory when both ranks agree (same_host.py), else a gloo process group."""
+        wanted = self.same_host_transport == "shm"
+        shm, why_not = agree_on_shm(group.store, group.rank, wanted, self.ring_capacity)
+        if shm is not None:
+            return shm
+        if wanted:
+            group.fallback = why_not
+            self.num_shm_fallbacks += 1
+        options = ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=self._op_timeout_s)
+        options._devices = [device]
+        options._threads = 1  # no collectives: send/recv never use the worker threads
+        pg = ProcessGroupGloo(PrefixStore(group.name, group.store), group.rank, 2, options)
+        return GlooWire(pg, group.peer_rank)
 
     def drop(self, engine_id: str, reason: str, name: str | None = None) -> PairGroup | None:
         """Tear down the group with a peer (only generation ``name``, when given)."""

@@ -41,6 +41,7 @@ from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
 from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, StoreSet, XferBegin
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, Target
+from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
 from pagedkv.transport.codec import Codec, ProtocolError
 from pagedkv.transport.control_plane import ControlPlane, Handler
@@ -120,6 +121,8 @@ class Peers:
             on_ready=self._on_ready,
             on_dropped=self._on_dropped,
             max_groups=p2p.max_pair_groups,
+            same_host_transport=p2p.same_host_transport,
+            ring_capacity=max(p2p.in_flight_bytes, 2 * p2p.chunk_bytes),
         )
         self._log = RateLimitedLog(logger)
         self._told: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -167,8 +170,9 @@ class Peers:
         self.groups.drop(engine_id, reason, group)
 
     def _on_ready(self, group: PairGroup) -> None:
-        peer, p2p = group.peer, self.p2p
-        assert group.pg is not None
+        peer, p2p, wire = group.peer, self.p2p, group.wire
+        assert wire is not None
+        shm = wire.kind == "shm"
         tag = f"{peer.engine_id[:12]}-{group.name[:6]}"
 
         def broken(reason: str) -> None:
@@ -176,9 +180,8 @@ class Peers:
 
         send_lane = receive_lane = None
         if self._sender is not None:
-            send_lane = SendLane(
-                group.pg,
-                group.peer_rank,
+            send_lane = (ShmSendLane if shm else SendLane)(
+                wire,
                 group.name,
                 self._num_layers,
                 lambda begin: self.control.send(peer, begin),
@@ -190,9 +193,8 @@ class Peers:
             )
         if self._receiver is not None:
             receiver = self._receiver
-            receive_lane = ReceiveLane(
-                group.pg,
-                group.peer_rank,
+            receive_lane = (ShmReceiveLane if shm else ReceiveLane)(
+                wire,
                 lambda tid, segments: receiver.on_xfer_part(peer, tid, segments),
                 receiver.drain_layers,
                 receiver.on_received,
@@ -301,6 +303,17 @@ class Peers:
                 logger.warning("a lane with %s is still in a gloo wait at shutdown", group.peer)
 
     # ------------------------------------------------------------------ stats
+    def paths(self) -> dict[str, str]:
+        """Peer engine id -> the wire its pair group is up on: "shm", or "gloo" (with why not
+        shared memory, when the pair could have used it), for ``/instances``."""
+        out = {}
+        for group in self.groups.all():
+            wire = group.wire
+            if wire is not None and group.closed is None:
+                why = f" (not shm: {group.fallback})" if group.fallback else ""
+                out[group.peer.engine_id] = f"{wire.kind}{why}"
+        return out
+
     def stats(self) -> dict[str, int]:
         rejected = dict(self.control.rejected)
         out = {"num_rejected_messages": sum(rejected.values())}
@@ -308,6 +321,9 @@ class Peers:
         out["num_evicted_peers"] = self.control.num_evicted_peers
         out["num_dropped_hellos"] = self.groups.num_dropped_hellos
         out["pair_groups"] = len(self.groups)
+        kinds = [group.wire.kind for group in self.groups.all() if group.wire is not None]
+        out["pair_groups_shm"] = kinds.count("shm")
+        out["num_shm_fallbacks"] = self.groups.num_shm_fallbacks
         out["peer_connections"] = self.control.num_peers
         for why in ("peer_lost", "goodbye", "idle", "broken"):
             out[f"num_pair_groups_torn_down_{why}"] = self.num_groups_torn_down[why]

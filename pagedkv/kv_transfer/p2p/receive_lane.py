@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
-from torch.distributed import ProcessGroupGloo
 
 from pagedkv.kv_transfer.p2p.lanes import Lane, LaneError
 from pagedkv.kv_transfer.p2p.protocol import XferBegin
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
+from pagedkv.kv_transfer.p2p.wire import GlooWire, Wire
 
 
 class Target(Protocol):
@@ -66,8 +66,7 @@ class ReceiveLane(Lane):
 
     def __init__(
         self,
-        pg: ProcessGroupGloo,
-        peer_rank: int,
+        wire: Wire,
         resolve: Callable[[str, list[list[int]]], tuple[Target, list[LayerBlocks]] | None],
         drain_layers: Callable[[list[list[int]]], list[LayerBlocks]],
         on_received: Callable[[Target, int, Exception | None], None],
@@ -76,7 +75,7 @@ class ReceiveLane(Lane):
         timeout_s: float,
         name: str,
     ) -> None:
-        super().__init__(pg, peer_rank, on_broken, in_flight_bytes, timeout_s, name)
+        super().__init__(wire, on_broken, in_flight_bytes, timeout_s, name)
         self._resolve = resolve
         self._drain_layers = drain_layers
         self._on_received = on_received
@@ -159,8 +158,9 @@ class ReceiveLane(Lane):
                 if staging is None:
                     return
                 into = staging.view(blocks.cache.dtype).view(blocks.shape(start, end))
-            assert self._pg is not None
-            work = self._pg.recv([into], self._peer_rank, message.tag)
+            wire = self._wire
+            assert isinstance(wire, GlooWire)
+            work = wire.pg.recv([into], wire.peer_rank, message.tag)
             self._pending.popleft()
             self._post(work, into, staged, message)
 

@@ -128,6 +128,9 @@ class P2pConnectorWorker(KVConnectorWorker):
         out["send_pool_used_bytes"] = self.pool.used_bytes
         return out
 
+    def kv_paths(self) -> dict[str, str]:
+        return self.peers.paths()
+
     # ================================================================== engine thread
     def start_load_kv(self) -> None:
         meta = self._metadata
