@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -59,13 +58,6 @@ PATHS = ("shm", "gloo", "gloo-raw", "tcp", "shm-raw")
 SHM_OVER_MEMCPY, GLOO_OVER_TCP = 0.5, 0.7
 #: Written over between timed copies so that neither buffer starts in the cache.
 SCRUB_BYTES = 256 << 20
-
-
-def has_shm_transport() -> bool:
-    """Whether this tree's ``PairGroups`` takes ``same_host_transport``."""
-    from pagedkv.kv_transfer.p2p.pair_group import PairGroups
-
-    return "same_host_transport" in inspect.signature(PairGroups).parameters
 
 
 class MemcpyCeiling:
@@ -164,7 +156,6 @@ def peer_args(tokens: list[int], placement: str, paths: list[str], opts: argpars
     return {
         "placement": placement,
         "paths": lane_paths,
-        "legacy_groups": not has_shm_transport(),
         "ports": {path: {"P": free_port(), "D": free_port()} for path in lane_paths},
         "tcp_port": free_port(),
         # Room for the largest prompt (in runs, and with slack to place it contiguously).
@@ -184,8 +175,9 @@ def run_placement(
     try:
         kinds = peers.connect()
         for path, (stack, _) in LANE_OPS.items():
-            if path in paths and kinds.get(stack) != ("gloo" if stack == "network" else stack):
-                print(f"    note: {path} ran over {kinds.get(stack)!r}, not {stack!r}")
+            wanted = "gloo" if stack == "network" else stack
+            if path in paths and kinds[stack].split()[0] != wanted:
+                print(f"    note: {path} ran over {kinds[stack]!r}, not {wanted!r}")
         for n_tokens in tokens:
             rows.append(time_prompt(peers, n_tokens, paths, opts))
             print_row(rows[-1], paths, 2 * opts.threads)
@@ -274,9 +266,7 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--placement", default=",".join(PLACEMENTS), help=f"of {PLACEMENTS}")
     ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
-    ap.add_argument(
-        "--paths", default="shm,gloo,gloo-raw,tcp", help=f"of {PATHS} (shm: where built)"
-    )
+    ap.add_argument("--paths", default="shm,gloo,gloo-raw,tcp", help=f"of {PATHS}")
     opts = ap.parse_args()
     opts.repeats = opts.repeats or (3 if opts.quick else 5)
     default = [1024, 4096] if opts.quick else [1024, 2048, 4096, 8192, 16384]
@@ -291,9 +281,6 @@ def parse_args() -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
 
 def main() -> None:
     opts, tokens, placements, paths = parse_args()
-    if not has_shm_transport() and any(p.startswith("shm") for p in paths):
-        print("shm: this tree has no same-host transport (PairGroups has no same_host_transport)")
-        paths = [p for p in paths if not p.startswith("shm")]
     print(f"machine: {machine_info()}")
     rows = []
     for placement in placements:

@@ -75,14 +75,6 @@ class Load:
         self.posted = 0
 
 
-def wire_of(group: Any) -> tuple[tuple, str]:
-    """A ready pair group's lane arguments and the kind of its wire ("shm" or "gloo")."""
-    wire = getattr(group, "wire", None)
-    if wire is None:  # a tree before the same-host transport: the lanes take pg, peer_rank
-        return (group.pg, group.peer_rank), "gloo"
-    return (wire,), wire.kind
-
-
 def lane_classes(kind: str) -> tuple[type, type]:
     """The (send, receive) lane classes for a wire of ``kind``."""
     if kind == "shm":
@@ -118,9 +110,9 @@ class LaneStack:
         self.plane = ControlPlane(codec, self.me, handlers, name=self.me.engine_id)
         # As the connector sizes it: a ring holds the bytes in flight, at least two messages.
         ring = max(args["in_flight_bytes"], 2 * args["chunk_bytes"])
-        transport = {"same_host_transport": path, "ring_capacity": ring}
-        transport = {} if args["legacy_groups"] else transport
-        self.groups = PairGroups(self.me, self.plane.send, 30, 60, **transport)
+        self.groups = PairGroups(
+            self.me, self.plane.send, 30, 60, same_host_transport=path, ring_capacity=ring
+        )
         self.plane.start()
         self.lane: Any = None
         #: D: where the current transfer lands (target, layers) and what a drain sizes by.
@@ -144,23 +136,23 @@ class LaneStack:
         group = self.groups.ensure(self.other) if self.role == "D" else self._wait_group()
         if not group.ready.wait(30) or group.error is not None:
             raise TimeoutError(f"pair group not ready: {group.error}")
-        wire, kind = wire_of(group)
-        send_lane, receive_lane = lane_classes(kind)
+        wire = group.wire
+        send_lane, receive_lane = lane_classes(wire.kind)
         in_flight = self.args["in_flight_bytes"]
         if self.role == "D":
             self.lane = receive_lane(
-                *wire, lambda tid, segments: self.target, lambda segments: self.drain,
+                wire, lambda tid, segments: self.target, lambda segments: self.drain,
                 lambda target, n, error: self._received(error),
                 lambda reason: print("D lane broken:", reason), in_flight, 60, "bench-recv",
             )  # fmt: skip
         else:
             self.lane = send_lane(
-                *wire, group.name, NUM_LAYERS, lambda begin: self.plane.send(self.other, begin),
+                wire, group.name, NUM_LAYERS, lambda begin: self.plane.send(self.other, begin),
                 lambda job: None, lambda reason: print("P lane broken:", reason), in_flight, 60,
                 "bench-send",
             )  # fmt: skip
         self.lane.start()
-        return kind
+        return wire.kind if group.fallback is None else f"{wire.kind} ({group.fallback})"
 
     def _wait_group(self) -> Any:
         deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ import torch
 from benchmarks import pd_instances
 from benchmarks.pd_instances import Pinning
 from benchmarks.pd_load import bench_serve_argv, parse_summary
-from benchmarks.pd_transfer import has_shm_transport, print_markdown, run_placement
+from benchmarks.pd_transfer import print_markdown, run_placement
 from benchmarks.pd_transfer_peer import BLOCK_SIZE, RUN_BLOCKS, block_ids
 from benchmarks.pd_ttft import TTFTRow, repeats_for
 from pagedkv.entrypoints.cli import make_parser
@@ -34,9 +34,9 @@ def test_block_ids_are_distinct_real_blocks_placed_as_named(placement):
 
 
 def test_every_path_moves_a_prompts_kv(capsys):
-    """A 64-token prompt, scattered, over the lanes (gloo, and shm where this tree has it),
-    raw gloo and TCP: D's blocks hold P's KV (checked in ``time_once``), every rate > 0."""
-    paths = ["gloo", "gloo-raw", "tcp"] + (["shm", "shm-raw"] if has_shm_transport() else [])
+    """A 64-token prompt, scattered, over the lanes on shared memory and on gloo, raw, and
+    over TCP: D's blocks hold P's KV (checked in ``time_once``), every rate > 0."""
+    paths = ["shm", "gloo", "shm-raw", "gloo-raw", "tcp"]
     opts = argparse.Namespace(chunk_mib=0.25, in_flight_mib=1, threads=1, repeats=1)
     (row,) = run_placement("random", [4 * BLOCK_SIZE], paths, opts)
     assert set(row.gbps) == {*paths, "memcpy", "memcpy-N"}
@@ -44,7 +44,7 @@ def test_every_path_moves_a_prompts_kv(capsys):
     assert "gloo/TCP" in capsys.readouterr().out
     print_markdown([row], paths, 2)
     table = capsys.readouterr().out.splitlines()
-    assert table[1].startswith("| placement | tokens | gloo |") and "memcpy 2t" in table[1]
+    assert table[1].startswith("| placement | tokens | shm | gloo |") and "memcpy 2t" in table[1]
     assert table[3].startswith(f"| random | {4 * BLOCK_SIZE} |")
 
 
