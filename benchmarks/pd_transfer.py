@@ -1,23 +1,26 @@
 #!/usr/bin/env python
-"""Prefill/decode transfer benchmark, two parts, each against its peer in the same run.
+"""Prefill/decode KV transfer on one host: every data path against its peers, in one run.
 
-(a) bandwidth: the KV of one prompt (32 layers, 8 KV heads, head size 128, fp16 = 128 KiB per
-    token, blocks of 16 tokens scattered over the cache) moved from a P process to a D process
-    through the P2P connector's data path: the pair group's lanes (set up over our control
-    plane; P's send lane packs blocks by index_select while the previous message is on the
-    wire, D's receive lane receives into a reused staging ring and scatters each message into
-    the paged cache with index_copy_ while the next ones arrive), then the same bytes between
-    the same two processes over a raw loopback TCP socket (sendall / recv_into, no packing).
-    GB/s of both and their ratio.
-(b) ttft: a small random Llama (the hf_peer anchor's: 19M parameters, 4 layers) behind
-    ``pagedkv proxy`` in 1P1D (PUT_ASYNC) against one plain ``pagedkv serve``; ~2k-token
-    prompts, each distinct (no prefix reuse), max_tokens=1 so a request's latency is its TTFT.
+The KV of one prompt (32 layers, 8 KV heads, head size 128, fp16 = 128 KiB per token, blocks
+of 16 tokens placed "contiguous", in "runs" of 16, or at "random" in the cache on each side)
+moved from a P process to a D process (pd_transfer_peer.py), 1k-16k tokens. Per prompt length,
+GB/s (the bytes over the median time from the first side starting to D holding the last
+byte) of:
+  shm        the P2P lanes over the same-host shared-memory path (P gathers the blocks, D
+             scatters them into its paged cache), as the connector moves KV
+  gloo       the P2P lanes over the network path (a 2-rank gloo group on loopback)
+  gloo-raw   the same messages over gloo with no gather on P and no scatter on D
+  TCP        the same bytes over a raw loopback TCP socket (sendall / recv_into, contiguous)
+  memcpy     one copy of the same bytes in one process (``Tensor.copy_`` of a contiguous
+             buffer into another, cache-cold), on 1 thread (the ceiling of the ratio) and on
+             the threads of both sides together (2 x ``--threads``)
+and the ratios shm / memcpy (target >= 0.5, every placement) and gloo / TCP (target >= 0.7
+for scattered blocks). Each side uses ``--threads`` torch threads (default: half the cores).
+Medians over repeats, the first a warm-up; the machine's load is printed per placement.
 
-Medians over repeats. The machine may be shared with other work: its load is printed.
-
-    python benchmarks/pd_transfer.py                 # both parts, 1k-16k tokens (~3 min)
-    python benchmarks/pd_transfer.py --quick         # 1k and 4k tokens, fewer repeats
-    python benchmarks/pd_transfer.py --part bandwidth --tokens 1024,8192 --chunk-mib 16
+    python benchmarks/pd_transfer.py --markdown          # 1k-16k tokens, 3 placements (~6 min)
+    python benchmarks/pd_transfer.py --quick             # 1k and 4k tokens, fewer repeats
+    python benchmarks/pd_transfer.py --tokens 1024,8192 --placement random --paths gloo,tcp
 """
 
 from __future__ import annotations
@@ -27,484 +30,271 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE = torch.float16
-BYTES_PER_TOKEN = NUM_LAYERS * 2 * NUM_KV_HEADS * HEAD_SIZE * 2  # 128 KiB
+from benchmarks.pd_instances import free_port, load_average, machine_info  # noqa: E402
+from benchmarks.pd_transfer_peer import (  # noqa: E402
+    BLOCK_SIZE,
+    BYTES_PER_TOKEN,
+    HEAD_SIZE,
+    LANE_OPS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    PLACEMENTS,
+    RUN_BLOCKS,
+    run_peer,
+)
+
+PATHS = ("shm", "gloo", "gloo-raw", "tcp", "shm-raw")
+SHM_OVER_MEMCPY, GLOO_OVER_TCP = 0.5, 0.7
+#: Written over between timed copies so that neither buffer starts in the cache.
+SCRUB_BYTES = 256 << 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class MemcpyCeiling:
+    """One contiguous ``copy_`` of ``total_bytes`` in this process, cache-cold: the source
+    and destination are written over by a scrub buffer before each timed copy."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.src = torch.ones(total_bytes, dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)  # touched: no page faults in the timed copies
+        self.scrub = torch.empty(SCRUB_BYTES, dtype=torch.uint8)
+
+    def time_once(self, threads: int) -> float:
+        """Seconds for one copy on ``threads`` threads."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            self.scrub.fill_(1)
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(before)
 
 
-def machine_info() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    return (
-        f"{cpu}, {os.cpu_count()} cores (load {', '.join(f'{x:.1f}' for x in load)}), "
-        f"Python {platform.python_version()}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {platform.system()} {platform.release()}"
-    )
+class Row(NamedTuple):
+    """One prompt length of one placement: GB/s per path (and memcpy on 1 and N threads)."""
+
+    placement: str
+    tokens: int
+    gbps: dict[str, float]
+
+    def ratio(self, num: str, den: str) -> float | None:
+        if num not in self.gbps or den not in self.gbps:
+            return None
+        return self.gbps[num] / self.gbps[den]
 
 
-# ============================================================================ (a) bandwidth
-def _layer_caches(num_blocks: int, fill: bool) -> list[torch.Tensor]:
-    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-    caches = []
-    for layer in range(NUM_LAYERS):
-        cache = torch.zeros(shape, dtype=DTYPE)
-        if fill:  # block b of layer l holds (b + l) % 1024: exact in fp16, checkable on D
-            values = (torch.arange(num_blocks) + layer) % 1024
-            cache.copy_(values.view(1, -1, 1, 1, 1).to(DTYPE).expand(shape))
-        caches.append(cache)
-    return caches
+class Peers:
+    """The P and D processes and the pipes to them."""
 
+    def __init__(self, args: dict) -> None:
+        self.placement = args["placement"]
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = {}, []
+        for role in ("P", "D"):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=run_peer, args=(role, child, args), daemon=True)
+            proc.start()
+            self.pipes[role] = parent
+            self.procs.append(proc)
+        for role in ("P", "D"):
+            self.ask(role)
 
-#: Blocks per run in the "runs" placement: a free queue handing out runs of consecutive
-#: blocks, the runs themselves anywhere in the cache (a fragmented pool).
-RUN_BLOCKS = 16
-PLACEMENTS = ("random", "runs", "contiguous")
-
-
-def block_ids(num_cache_blocks: int, n: int, placement: str, gen: torch.Generator) -> torch.Tensor:
-    """``n`` block ids in [1, num_cache_blocks), a different draw on each side:
-    "random"      every block anywhere (worst case: every message packed and scattered)
-    "runs"        runs of RUN_BLOCKS anywhere (a message spans several runs)
-    "contiguous"  one range at a random offset (a fresh pool: D receives in place)"""
-    if placement == "random":
-        return torch.randperm(num_cache_blocks - 1, generator=gen)[:n] + 1
-    if placement == "contiguous":
-        return torch.randint(0, num_cache_blocks - n, (1,), generator=gen) + torch.arange(n) + 1
-    num_runs = (num_cache_blocks - 1) // RUN_BLOCKS
-    starts = torch.randperm(num_runs, generator=gen)[: -(-n // RUN_BLOCKS)]
-    return (starts[:, None] * RUN_BLOCKS + torch.arange(RUN_BLOCKS)).flatten()[:n] + 1
-
-
-def _peer(role: str, conn, args: dict) -> None:
-    """One side of the bandwidth test (a spawned process). Commands arrive as JSON."""
-    from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
-    from pagedkv.kv_transfer.p2p.pair_group import PairGroups
-    from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Hello, StoreSet, XferBegin
-    from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
-    from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
-    from pagedkv.kv_transfer.p2p.send_pool import SendPool
-    from pagedkv.kv_transfer.p2p.transfer import (
-        LayerBlocks,
-        block_bytes,
-        chunk_blocks_for,
-        plan_segments,
-    )
-    from pagedkv.transport.codec import Codec
-    from pagedkv.transport.control_plane import ControlPlane
-    from pagedkv.transport.peer_addr import PeerAddr
-
-    class Load:  # a receive target, as D's load records are; cancelled: received, not stored
-        def __init__(self, cancelled: bool) -> None:
-            self.lock = threading.Lock()
-            self.cancelled = cancelled
-            self.posted = 0
-
-    torch.set_num_threads(args["threads"])
-    me = PeerAddr(role, "127.0.0.1", args[f"{role}_port"])
-    other = PeerAddr(
-        "D" if role == "P" else "P", "127.0.0.1", args["D_port" if role == "P" else "P_port"]
-    )
-    holder: dict = {}
-
-    def receive(begin: XferBegin) -> None:  # a handler's return value is its answer: none
-        holder["lane"].submit(begin)
-
-    plane = ControlPlane(
-        Codec("bench", None, 1 << 20, MESSAGE_TYPES),
-        me,
-        {
-            Hello: lambda peer, m: holder["groups"].on_hello(peer, m),
-            StoreSet: lambda peer, m: holder["groups"].on_store_set(peer, m),
-            XferBegin: lambda peer, m: receive(m),
-        },
-        name=role,
-    )
-    groups = holder["groups"] = PairGroups(me, plane.send, 30, 60)
-    plane.start()
-    num_blocks = args["max_blocks"] + 1
-    caches = _layer_caches(num_blocks, fill=role == "P")
-    ctx = SendContext(caches, [0] * NUM_LAYERS, BLOCK_SIZE, SendPool(0), 60)
-    chunk_blocks = chunk_blocks_for(block_bytes(caches[0]), args["chunk_bytes"])
-    tcp = socket.socket()
-    if role == "D":
-        tcp.bind(("127.0.0.1", args["tcp_port"]))
-        tcp.listen(1)
-    conn.send(json.dumps({"ready": True}))
-    peer_sock = lane = None
-    #: D: the transfer being received -> (target, layers, set when received), or None: drain.
-    current: dict = {}
-    received = threading.Event()
-    while True:
-        command = json.loads(conn.recv())
-        op = command["op"]
-        if op == "stop":
-            break
-        if op == "connect":  # D initiates the pair group, as on a first WANT
-            if role == "D":
-                group = groups.ensure(other)
-                group.ready.wait(30)
-                peer_sock, _ = tcp.accept()
-                lane = holder["lane"] = ReceiveLane(
-                    group.pg, group.peer_rank,
-                    lambda tid, segments: current.get("target"),
-                    lambda segments: current["drain"],
-                    lambda target, n, error: received.set(),
-                    lambda reason: print("D lane broken:", reason), args["in_flight_bytes"], 60,
-                    "bench-recv",
-                )  # fmt: skip
-            else:
-                deadline = time.monotonic() + 30
-                while groups.get("D") is None or groups.get("D").pg is None:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("pair group")
-                    time.sleep(0.01)
-                group = groups.get("D")
-                tcp.connect(("127.0.0.1", args["tcp_port"]))
-                peer_sock = tcp
-                lane = SendLane(
-                    group.pg, group.peer_rank, group.name, NUM_LAYERS,
-                    lambda begin: plane.send(other, begin), lambda job: None,
-                    lambda reason: print("P lane broken:", reason), args["in_flight_bytes"], 60,
-                    "bench-send",
-                )  # fmt: skip
-            lane.start()
-            peer_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.send(json.dumps({"ok": True}))
-            continue
-        # Where the request's blocks are on each side (never the null block), different on P
-        # and D, known to both: see ``block_ids``.
-        gen = torch.Generator().manual_seed(command["seed"])
-        n = command["num_blocks"]
-        src_ids, dst_ids = (block_ids(num_blocks, n, args["placement"], gen) for _ in "PD")
-        segments = [plan_segments(n, chunk_blocks)]  # D's plan, as in a WANT
-        if role == "D":  # "gloo": the same messages into staging only (no scatter)
-            layers = [LayerBlocks(cache, dst_ids, segments[0]) for cache in caches]
-            current["target"] = (Load(cancelled=op == "gloo"), layers)
-            current["drain"] = layers
-            received.clear()
-        conn.send(json.dumps({"armed": True}))
-        json.loads(conn.recv())  # "go"
-        t0 = time.monotonic()
-        if op in ("connector", "gloo") and role == "P":
-            if op == "connector":
-                source = HeldSource(caches, ctx, [src_ids], segments)
-            else:  # the same messages from one ready run of blocks: no packing
-                source = HeldSource(caches, ctx, [torch.arange(1, n + 1)], segments)
-            job = Job(f"t{command['seed']}", segments, source, 0)
-            lane.submit([job])
-            job.ended.wait(300)
-            if job.error is not None:
-                raise job.error
-        elif op in ("connector", "gloo"):
-            received.wait(300)
-        elif op == "tcp" and role == "P":
-            for cache in caches:
-                for kv in (0, 1):
-                    data = cache[kv, :n].view(torch.uint8).numpy()
-                    peer_sock.sendall(memoryview(data).cast("B"))
-        else:  # tcp, D: straight into contiguous cache memory (no scatter)
-            for cache in caches:
-                for kv in (0, 1):
-                    view = memoryview(cache[kv, :n].view(torch.uint8).numpy()).cast("B")
-                    got = 0
-                    while got < len(view):
-                        got += peer_sock.recv_into(view[got:])
-        t1 = time.monotonic()
-        check = None
-        if role == "D" and op == "connector":  # the blocks landed where D wanted them
-            layer = NUM_LAYERS - 1
-            expected = ((src_ids + layer) % 1024).to(DTYPE)
-            check = bool(torch.equal(caches[layer][1, dst_ids, -1, -1, -1], expected))
-        conn.send(json.dumps({"t0": t0, "t1": t1, "check": check}))
-    if lane is not None:
-        lane.stop("done")
-        lane.join(10)  # the process group goes with its thread, before the interpreter
-    if peer_sock is not None:
-        peer_sock.close()
-    groups.close()
-    plane.close()
-
-
-def run_bandwidth(
-    tokens: list[int], repeats: int, chunk_bytes: int, in_flight_bytes: int, placement: str
-) -> list:
-    # Room for the largest prompt (in runs, and with slack to place it contiguously).
-    max_blocks = -(-max(tokens) // BLOCK_SIZE // RUN_BLOCKS) * RUN_BLOCKS * 5 // 4
-    args = {
-        "placement": placement,
-        "P_port": free_port(),
-        "D_port": free_port(),
-        "tcp_port": free_port(),
-        "max_blocks": max_blocks,
-        "chunk_bytes": chunk_bytes,
-        "in_flight_bytes": in_flight_bytes,
-        "threads": max(1, (os.cpu_count() or 2) // 2),
-    }
-    ctx = mp.get_context("spawn")
-    pipes, procs = {}, []
-    for role in ("P", "D"):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_peer, args=(role, child, args), daemon=True)
-        proc.start()
-        pipes[role] = parent
-        procs.append(proc)
-
-    def ask(role: str, message: dict | None = None, timeout: float = 300):
+    def ask(self, role: str, message: dict | None = None, timeout: float = 600) -> dict:
         if message is not None:
-            pipes[role].send(json.dumps(message))
-        if not pipes[role].poll(timeout):
-            raise TimeoutError(f"{role} did not answer")
-        return json.loads(pipes[role].recv())
+            self.pipes[role].send(json.dumps(message))
+        if not self.pipes[role].poll(timeout):
+            raise TimeoutError(f"{role} did not answer in {timeout:g} s")
+        answer = json.loads(self.pipes[role].recv())
+        if "error" in answer:
+            raise RuntimeError(f"{role}: {answer['error']}")
+        return answer
 
-    rows = []
-    try:
-        for role in ("P", "D"):
-            ask(role)
+    def connect(self) -> dict[str, str]:
+        """Set up every data path; D's kind of wire per path."""
         for role in ("D", "P"):
-            pipes[role].send(json.dumps({"op": "connect"}))
-        for role in ("P", "D"):
-            ask(role)
-        for n_tokens in tokens:
-            num_blocks = n_tokens // BLOCK_SIZE
-            total_bytes = n_tokens * BYTES_PER_TOKEN
-            times: dict[str, list[float]] = {"connector": [], "gloo": [], "tcp": []}
-            for rep in range(repeats + 1):  # the first is a warm-up (page faults, buffers)
-                for op in times:
-                    command = {"op": op, "num_blocks": num_blocks, "seed": rep}
-                    for role in ("D", "P"):
-                        ask(role, command)
-                    for role in ("D", "P"):
-                        pipes[role].send(json.dumps({"go": True}))
-                    d, p = ask("D"), ask("P")
-                    if d["check"] is False:
-                        raise AssertionError("D's blocks do not hold P's KV")
-                    if rep:
-                        times[op].append(d["t1"] - min(d["t0"], p["t0"]))
-            gbps = {op: total_bytes / statistics.median(t) / 1e9 for op, t in times.items()}
-            rows.append((n_tokens, total_bytes, gbps["connector"], gbps["tcp"]))
-            print(
-                f"  {n_tokens:6d} tokens {total_bytes / 2**20:7.0f} MiB   connector "
-                f"{gbps['connector']:5.2f} GB/s   raw TCP {gbps['tcp']:5.2f} GB/s   "
-                f"ratio {gbps['connector'] / gbps['tcp']:4.2f}   (gloo alone, no pack/scatter: "
-                f"{gbps['gloo']:5.2f} GB/s)",
-                flush=True,
-            )
-    finally:
-        for role in ("P", "D"):
+            self.pipes[role].send(json.dumps({"op": "connect"}))
+        self.ask("P")
+        return self.ask("D")["kinds"]
+
+    def time_once(self, op: str, num_blocks: int, seed: int) -> float:
+        """One transfer: seconds from the first side starting to D ending."""
+        command = {"op": op, "num_blocks": num_blocks, "seed": seed}
+        for role in ("D", "P"):
+            self.ask(role, command)
+        for role in ("D", "P"):
+            self.pipes[role].send(json.dumps({"go": True}))
+        d, p = self.ask("D"), self.ask("P")
+        if d["check"] is False:
+            raise AssertionError(f"{op}: D's blocks do not hold P's KV")
+        return d["t1"] - min(d["t0"], p["t0"])
+
+    def close(self) -> None:
+        for pipe in self.pipes.values():
             with contextlib.suppress(OSError):
-                pipes[role].send(json.dumps({"op": "stop"}))
-        for proc in procs:
+                pipe.send(json.dumps({"op": "stop"}))
+        for proc in self.procs:
             proc.join(timeout=20)
             if proc.is_alive():
                 proc.kill()
+
+
+def peer_args(tokens: list[int], placement: str, paths: list[str], opts: argparse.Namespace):
+    """What both sides need: ports, cache size, message and window sizes."""
+    lane_paths = sorted({LANE_OPS[p][0] for p in paths if p in LANE_OPS})
+    return {
+        "placement": placement,
+        "paths": lane_paths,
+        "ports": {path: {"P": free_port(), "D": free_port()} for path in lane_paths},
+        "tcp_port": free_port(),
+        # Room for the largest prompt (in runs, and with slack to place it contiguously).
+        "max_blocks": -(-max(tokens) // BLOCK_SIZE // RUN_BLOCKS) * RUN_BLOCKS * 5 // 4,
+        "chunk_bytes": int(opts.chunk_mib * 2**20),
+        "in_flight_bytes": int(opts.in_flight_mib * 2**20),
+        "threads": opts.threads,
+    }
+
+
+def run_placement(
+    placement: str, tokens: list[int], paths: list[str], opts: argparse.Namespace
+) -> list[Row]:
+    """Every path at every prompt length for one placement, in one pair of processes."""
+    peers = Peers(peer_args(tokens, placement, paths, opts))
+    rows = []
+    try:
+        kinds = peers.connect()
+        for path, (stack, _) in LANE_OPS.items():
+            wanted = "gloo" if stack == "network" else stack
+            if path in paths and kinds[stack].split()[0] != wanted:
+                print(f"    note: {path} ran over {kinds[stack]!r}, not {wanted!r}")
+        for n_tokens in tokens:
+            rows.append(time_prompt(peers, n_tokens, paths, opts))
+            print_row(rows[-1], paths, 2 * opts.threads)
+    finally:
+        peers.close()
     return rows
 
 
-# ============================================================================ (b) TTFT
-def build_small_llama(directory: Path) -> None:
-    """The hf_peer anchor's tiny Llama (seed 1234), without a tokenizer: token-id prompts."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(1234)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=4096,
+def time_prompt(peers: Peers, n_tokens: int, paths: list[str], opts: argparse.Namespace) -> Row:
+    """Every path, and memcpy on 1 and on both sides' threads, taking turns within each
+    repeat (so that a change in the machine's load falls on all of them); medians."""
+    total = n_tokens * BYTES_PER_TOKEN
+    ceiling = MemcpyCeiling(total)
+    copies = {"memcpy": 1, "memcpy-N": 2 * opts.threads}
+    times: dict[str, list[float]] = {path: [] for path in [*paths, *copies]}
+    for rep in range(opts.repeats + 1):  # the first is a warm-up (page faults, buffers)
+        for path in paths:
+            elapsed = peers.time_once(path, n_tokens // BLOCK_SIZE, rep)
+            if rep:
+                times[path].append(elapsed)
+        for name, threads in copies.items():
+            elapsed = ceiling.time_once(threads)
+            if rep:
+                times[name].append(elapsed)
+    return Row(
+        placement=peers.placement,
+        tokens=n_tokens,
+        gbps={path: total / statistics.median(t) / 1e9 for path, t in times.items()},
     )
-    LlamaForCausalLM(config).to(torch.float32).eval().save_pretrained(directory)
 
 
-class Processes:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDKV_KV_SECRET": "bench-secret"}
-        log = (self.log_dir / f"{name}.log").open("w")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv", *args],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def print_row(row: Row, paths: list[str], threads: int) -> None:
+    """One prompt length: GB/s of every path, then the ratios."""
+    cells = [f"{p} {row.gbps[p]:5.2f}" for p in paths]
+    cells += [f"memcpy 1t {row.gbps['memcpy']:5.2f}", f"{threads}t {row.gbps['memcpy-N']:5.2f}"]
+    ratios = [("shm/memcpy", "shm", "memcpy"), (f"shm/memcpy-{threads}t", "shm", "memcpy-N")]
+    ratios += [("gloo/TCP", "gloo", "tcp"), ("gloo-raw/TCP", "gloo-raw", "tcp")]
+    shown = [f"{name} {r:4.2f}" for name, a, b in ratios if (r := row.ratio(a, b)) is not None]
+    print(
+        f"  {row.tokens:6d} tok {row.tokens * BYTES_PER_TOKEN / 2**20:6.0f} MiB  GB/s: "
+        f"{'  '.join(cells)}  |  {'  '.join(shown)}   (load {load_average()})",
+        flush=True,
+    )
 
 
-def wait_health(url: str, timeout_s: float = 180) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy")
-
-
-def run_ttft(prompt_len: int, repeats: int, send_type: str) -> tuple[float, float]:
-    import httpx
-
-    tmp = Path(tempfile.mkdtemp(prefix="pd_ttft_"))
-    model = tmp / "model"
-    build_small_llama(model)
-    procs = Processes(tmp)
-    common = ["--max-model-len", "4096", "--log-level", "warning"]
-    try:
-        single_port, proxy_port, registry_port = free_port(), free_port(), free_port()
-        procs.start("single", "serve", str(model), "--port", str(single_port), *common)
-        procs.start(
-            "proxy", "proxy", "--port", str(proxy_port), "--registry-port", str(registry_port),
-            "--log-level", "warning",
-        )  # fmt: skip
-        urls = {"single": f"http://127.0.0.1:{single_port}", "pd": f"http://127.0.0.1:{proxy_port}"}
-        for role, name in (("kv_producer", "P"), ("kv_consumer", "D")):
-            config = {
-                "kv_connector": "P2pConnector",
-                "kv_role": role,
-                "kv_port": free_port(),
-                "engine_id": f"bench-{name}",
-                "kv_connector_extra_config": {
-                    "send_type": send_type,
-                    "proxy_ip": "127.0.0.1",
-                    "proxy_port": registry_port,
-                },
-            }
-            port = free_port()
-            procs.start(
-                name, "serve", str(model), "--port", str(port), *common,
-                "--kv-transfer-config", json.dumps(config),
-            )  # fmt: skip
-            wait_health(f"http://127.0.0.1:{port}")
-        for url in urls.values():
-            wait_health(url)
-        deadline = time.monotonic() + 30
-        while True:
-            live = httpx.get(f"{urls['pd']}/instances", timeout=5).json()
-            if live["prefill"] and live["decode"]:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"instances did not register: {live}")
-            time.sleep(0.2)
-
-        gen = torch.Generator().manual_seed(0)
-        results: dict[str, list[float]] = {"single": [], "pd": []}
-        with httpx.Client(timeout=300) as client:
-            for rep in range(repeats + 1):  # the first round warms both paths up
-                for target in ("single", "pd"):
-                    prompt = torch.randint(10, 32000, (prompt_len,), generator=gen).tolist()
-                    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-                    t0 = time.perf_counter()
-                    r = client.post(f"{urls[target]}/v1/completions", json=body)
-                    elapsed = time.perf_counter() - t0
-                    r.raise_for_status()
-                    if r.json()["choices"][0]["finish_reason"] != "length":
-                        raise RuntimeError(f"{target}: {r.text}")
-                    if rep:
-                        results[target].append(elapsed)
-        return statistics.median(results["single"]), statistics.median(results["pd"])
-    finally:
-        procs.close()
+def print_verdicts(rows: list[Row]) -> None:
+    """Each target's range of ratios over the rows, and whether every row meets it."""
+    checks = [("shm", "memcpy", SHM_OVER_MEMCPY, PLACEMENTS)]
+    checks.append(("gloo", "tcp", GLOO_OVER_TCP, ("random", "runs")))
+    for num, den, target, placements in checks:
+        for placement in placements:
+            ratios = [
+                r
+                for row in rows
+                if row.placement == placement and (r := row.ratio(num, den)) is not None
+            ]
+            if ratios:
+                met = "met" if min(ratios) >= target else "NOT met"
+                print(
+                    f"target {num}/{den} >= {target} ({placement}): "
+                    f"{min(ratios):.2f}-{max(ratios):.2f} ({met})"
+                )
 
 
-def main() -> None:
+def print_markdown(rows: list[Row], paths: list[str], threads: int) -> None:
+    """The rows as a Markdown table, for docs/benchmarks.md."""
+    columns = [*paths, "memcpy", "memcpy-N"]
+    names = [*paths, "memcpy 1t", f"memcpy {threads}t"]
+    print("GB/s of each path, ratios in bold:")
+    print(f"| placement | tokens | {' | '.join(names)} | shm / memcpy | gloo / TCP |")
+    print("|---" * (len(names) + 4) + "|")
+    for row in rows:
+        rates = " | ".join(f"{row.gbps[c]:.2f}" for c in columns)
+        ratios = [row.ratio("shm", "memcpy"), row.ratio("gloo", "tcp")]
+        shown = " | ".join("" if r is None else f"**{r:.2f}**" for r in ratios)
+        print(f"| {row.placement} | {row.tokens} | {rates} | {shown} |")
+
+
+def parse_args() -> tuple[argparse.Namespace, list[int], list[str], list[str]]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, fewer repeats")
-    ap.add_argument("--part", choices=["all", "bandwidth", "ttft"], default="all")
-    ap.add_argument("--tokens", default=None, help="prompt lengths for (a), e.g. 1024,16384")
+    ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, 3 repeats")
+    ap.add_argument("--tokens", default=None, help="prompt lengths, e.g. 1024,16384")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--chunk-mib", type=float, default=8, help="max message size, MiB")
     ap.add_argument("--in-flight-mib", type=float, default=32, help="bytes in flight each way")
-    ap.add_argument(
-        "--placement",
-        default="random,contiguous",
-        help=f"comma-separated, of {PLACEMENTS}: where a request's blocks are (see block_ids)",
-    )
-    ap.add_argument("--ttft-prompt-len", type=int, default=2048)
-    ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
-    args = ap.parse_args()
-    quick = args.quick
-    tokens = (
-        [int(t) for t in args.tokens.split(",")]
-        if args.tokens
-        else ([1024, 4096] if quick else [1024, 2048, 4096, 8192, 16384])
-    )
-    repeats = args.repeats or (3 if quick else 5)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    ap.add_argument("--placement", default=",".join(PLACEMENTS), help=f"of {PLACEMENTS}")
+    ap.add_argument("--markdown", action="store_true", help="also print a Markdown table")
+    ap.add_argument("--paths", default="shm,gloo,gloo-raw,tcp", help=f"of {PATHS}")
+    opts = ap.parse_args()
+    opts.repeats = opts.repeats or (3 if opts.quick else 5)
+    default = [1024, 4096] if opts.quick else [1024, 2048, 4096, 8192, 16384]
+    tokens = [int(t) for t in opts.tokens.split(",")] if opts.tokens else default
+    placements, paths = opts.placement.split(","), opts.paths.split(",")
+    if bad := [p for p in placements if p not in PLACEMENTS]:
+        ap.error(f"--placement: {bad} not in {PLACEMENTS}")
+    if bad := [p for p in paths if p not in PATHS]:
+        ap.error(f"--paths: {bad} not in {PATHS}")
+    return opts, tokens, placements, paths
+
+
+def main() -> None:
+    opts, tokens, placements, paths = parse_args()
     print(f"machine: {machine_info()}")
-    if args.part in ("all", "bandwidth"):
-        for placement in args.placement.split(","):
-            if placement not in PLACEMENTS:
-                ap.error(f"--placement: {placement!r} is not one of {PLACEMENTS}")
-            print(
-                f"(a) KV transfer P -> D, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x "
-                f"{HEAD_SIZE} x fp16 ({BYTES_PER_TOKEN // 1024} KiB/token), blocks of "
-                f"{BLOCK_SIZE} placed {placement}, messages <= {args.chunk_mib:g} MiB, "
-                f"{args.in_flight_mib:g} MiB in flight, median of {repeats}"
-            )
-            run_bandwidth(
-                tokens,
-                repeats,
-                int(args.chunk_mib * 2**20),
-                int(args.in_flight_mib * 2**20),
-                placement,
-            )
-    if args.part in ("all", "ttft"):
-        n = 5 if quick else 10
+    rows = []
+    for placement in placements:
         print(
-            f"(b) TTFT, {args.ttft_prompt_len}-token prompts, small Llama (19M, fp32 on CPU), "
-            f"1P1D {args.send_type} behind the proxy vs one instance, median of {n}"
+            f"KV P -> D, {NUM_LAYERS} layers x {NUM_KV_HEADS} KV heads x {HEAD_SIZE} x fp16 "
+            f"({BYTES_PER_TOKEN // 1024} KiB/token), blocks of {BLOCK_SIZE} placed {placement}, "
+            f"messages <= {opts.chunk_mib:g} MiB, {opts.in_flight_mib:g} MiB in flight, "
+            f"{opts.threads} threads a side, median of {opts.repeats}; load {load_average()}",
+            flush=True,
         )
-        single, pd = run_ttft(args.ttft_prompt_len, n, args.send_type)
-        print(
-            f"  single instance {single * 1000:7.1f} ms   1P1D via proxy {pd * 1000:7.1f} ms   "
-            f"overhead {100 * (pd / single - 1):+5.1f} %"
-        )
+        rows += run_placement(placement, tokens, paths, opts)
+    print_verdicts(rows)
+    if opts.markdown:
+        print_markdown(rows, paths, 2 * opts.threads)
 
 
 if __name__ == "__main__":

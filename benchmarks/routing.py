@@ -30,7 +30,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.pd_transfer import free_port, machine_info  # noqa: E402
+from benchmarks.pd_instances import Processes, free_port, machine_info  # noqa: E402
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH  # noqa: E402
 from pagedkv.kv_cache.block_hash import BlockHasher  # noqa: E402
 
@@ -49,37 +48,6 @@ MODEL = "default_model"
 OUTPUT_LEN = 16
 BLOCK_SIZE = 16
 POLICIES = ("round_robin", "least_loaded", "kv_aware", "sglang cache_aware")
-
-
-# ============================================================================ processes
-class Processes:
-    """Every process of one run, each with a log; all stopped on exit."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        log = (self.log_dir / f"{name}.log").open("w")
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        self.procs.append(proc)
-        return proc
-
-    def serve(self, name: str, port: int, *extra: str) -> str:
-        self.start(name, [sys.executable, "-m", "pagedkv", "serve", "--port", str(port), *extra])
-        return f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        self.procs.clear()
 
 
 def wait_ready(url: str, path: str = "/health", timeout_s: float = 180.0) -> None:
