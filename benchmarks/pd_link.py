@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.pd_transfer import Processes, machine_info, wait_health  # noqa: E402
+from benchmarks.pd_instances import Processes, machine_info, wait_health  # noqa: E402
 from tests.netns_link import DEVICE, NetnsLink, unsupported_reason  # noqa: E402
 
 PROXY_PORT, REGISTRY_PORT, SERVE_PORT, LOCAL_PORT, KV_PORT = 8000, 30001, 8100, 8200, 14579
@@ -98,12 +98,10 @@ class Deployment:
         }
 
     def _start(self, side: str, name: str, cores: str | None, *args: str) -> None:
-        pinned = ["taskset", "-c", cores] if cores else []
+        pinned = ["--cpu-cores", cores] if cores else []
         env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDKV_KV_SECRET": "bench-secret"}
-        if cores:
-            env["OMP_NUM_THREADS"] = str(_count_cores(cores))
         with (self.log_dir / f"{name}.log").open("w") as log:
-            command = self.link.command(side, [*pinned, sys.executable, "-m", "pagedkv", *args])
+            command = self.link.command(side, [sys.executable, "-m", "pagedkv", *args, *pinned])
             self.processes.procs.append(
                 subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
             )
@@ -155,14 +153,6 @@ class Deployment:
     def close(self) -> None:
         self.sampler.stopped.set()
         self.processes.close()
-
-
-def _count_cores(cores: str) -> int:
-    count = 0
-    for part in cores.split(","):
-        low, _, high = part.partition("-")
-        count += int(high or low) - int(low) + 1
-    return count
 
 
 def metric(client: httpx.Client, url: str, name: str) -> float:
@@ -305,8 +295,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="2048,8192", help="prompt lengths (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="prompts per cell (default: 3)")
     ap.add_argument("--layers", type=int, default=8, help="the model's layers (default: 8)")
-    ap.add_argument("--p-cores", default="0", help="P's and the single instance's cores (taskset)")
-    ap.add_argument("--d-cores", default="1", help="D's cores (taskset)")
+    ap.add_argument("--p-cores", default="0", help="P's and the one instance's cores")
+    ap.add_argument("--d-cores", default="1", help="D's cores (--cpu-cores)")
     args = ap.parse_args()
     reason = unsupported_reason()
     if reason is not None:
