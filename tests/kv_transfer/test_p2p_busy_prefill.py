@@ -128,9 +128,11 @@ def busy(start_module_engine) -> SimpleNamespace:
         "P-busy",
         hook=f"slow_step:{STEP_S}",
         max_num_seqs=1,
-        kv_transfer_config=p2p_config("kv_producer", "P-busy"),
+        kv_transfer_config=p2p_config("kv_producer", "P-busy", same_host_transport="network"),
     )
-    # A long peer timeout: when P dies, only the load deadline can end D's load in time.
+    # A long peer timeout and the network path: when P dies, only the load deadline can end
+    # D's load in time (over shared memory D sees P's process exit at once: see
+    # test_shm_transport.py).
     config = p2p_config(
         "kv_consumer",
         "D-busy",
