@@ -4,9 +4,11 @@
 (a) bandwidth: the KV of one prompt (32 layers, 8 KV heads, head size 128, fp16 = 128 KiB per
     token, blocks of 16 tokens scattered over the cache) moved from a P process to a D process
     through the P2P connector's data path: the pair group's lanes (set up over our control
-    plane; P's send lane packs blocks by index_select while the previous message is on the
-    wire, D's receive lane receives into a reused staging ring and scatters each message into
-    the paged cache with index_copy_ while the next ones arrive), then the same bytes between
+    plane; D cuts the messages at breaks in its block ids where the runs are long enough;
+    a message whose blocks are consecutive goes from and into the cache itself, any other is
+    packed by P's send lane with the compiled block copy while the previous message is on
+    the wire, received by D's lane into a reused staging ring and scattered into the paged
+    cache by the compiled copy while the next ones arrive), then the same bytes between
     the same two processes over a raw loopback TCP socket (sendall / recv_into, no packing).
     GB/s of both and their ratio.
 (b) ttft: a small random Llama (the hf_peer anchor's: 19M parameters, 4 layers) behind
@@ -115,7 +117,8 @@ def _peer(role: str, conn, args: dict) -> None:
         LayerBlocks,
         block_bytes,
         chunk_blocks_for,
-        plan_segments,
+        min_run_blocks_for,
+        plan_segments_at_runs,
     )
     from pagedkv.transport.codec import Codec
     from pagedkv.transport.control_plane import ControlPlane
@@ -153,6 +156,7 @@ def _peer(role: str, conn, args: dict) -> None:
     caches = _layer_caches(num_blocks, fill=role == "P")
     ctx = SendContext(caches, [0] * NUM_LAYERS, BLOCK_SIZE, SendPool(0), 60)
     chunk_blocks = chunk_blocks_for(block_bytes(caches[0]), args["chunk_bytes"])
+    min_run_blocks = min_run_blocks_for(block_bytes(caches[0]), chunk_blocks)
     tcp = socket.socket()
     if role == "D":
         tcp.bind(("127.0.0.1", args["tcp_port"]))
@@ -204,7 +208,8 @@ def _peer(role: str, conn, args: dict) -> None:
         gen = torch.Generator().manual_seed(command["seed"])
         n = command["num_blocks"]
         src_ids, dst_ids = (block_ids(num_blocks, n, args["placement"], gen) for _ in "PD")
-        segments = [plan_segments(n, chunk_blocks)]  # D's plan, as in a WANT
+        # D's plan, as in a WANT (inbound.py)
+        segments = [plan_segments_at_runs(dst_ids.tolist(), chunk_blocks, min_run_blocks)]
         if role == "D":  # "gloo": the same messages into staging only (no scatter)
             layers = [LayerBlocks(cache, dst_ids, segments[0]) for cache in caches]
             current["target"] = (Load(cancelled=op == "gloo"), layers)
