@@ -5,11 +5,14 @@ A block of a cache half ``[num_blocks, block_size, heads, head_size]`` is one co
 of bytes, so both are a memcpy per run of consecutive blocks, whatever the dtype. The compiled
 kernel does them in one call (ids checked there, before a byte moves), on one thread unless
 told more: on a small machine the gloo thread and the peer process need the other cores.
-``scatter`` streams its stores past the caches by default (non-temporal): D's blocks are read
-by attention steps later, not now, and the lines are then neither read before being written
-nor evicted from under the socket's buffers. Measured on this project's 2 cores (AVX-512,
-shared): 256 scattered 32 KiB blocks from a 1 GiB cache, the kernel's scatter 2.8x
-``index_copy_``, its gather at ``index_select``'s speed (both memcpy-bound).
+Both stream their stores past the caches by default (non-temporal): a line is then not read
+before it is written, and what the socket is reading stays cached. D's blocks are read by
+attention steps later, not now; a packed message is read once, by the socket, after a few
+MiB of others. Measured on this project's 2 cores (AVX-512, shared with other jobs): 256
+scattered 32 KiB blocks of a 1 GiB cache, the kernel's scatter 2.8x ``index_copy_``, its
+gather 1.1-1.4x ``index_select``; in the bandwidth benchmark (random blocks, 4k tokens) the
+CPU time of P and D together per GiB moved 0.84-0.85 s against 1.09-1.17 s with the torch
+ops (0.91-0.93 s with the gather's stores cached).
 
 Without the library, or for tensors it does not take (not contiguous, not on the CPU, shapes
 or dtypes that differ), the torch ops run: ``index_select`` / ``index_copy_`` on 8-byte words.
@@ -101,11 +104,17 @@ def _as_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return a, b
 
 
-def gather(cache: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_threads: int = 1) -> None:
+def gather(
+    cache: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+    streaming: bool = True,
+    num_threads: int = 1,
+) -> None:
     """``out[i] = cache[ids[i]]``: blocks (rows of dim 0) packed in the order of ``ids``."""
     kernel = _loaded()
     if kernel is not None and _takes(cache, ids, out):
-        kernel.copy(out, None, cache, ids, False, num_threads)
+        kernel.copy(out, None, cache, ids, streaming, num_threads)
     else:
         source, packed = _as_words(cache, out)
         torch.index_select(source, 0, ids, out=packed)

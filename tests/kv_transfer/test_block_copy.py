@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pagedkv.kv_transfer import block_copy
 from pagedkv.kv_transfer.p2p.transfer import (
     LayerBlocks,
+    consecutive_start,
     gather_blocks,
     plan_segments,
     plan_segments_at_runs,
@@ -64,7 +65,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_gather_and_scatter_match_torch_indexing(path: str, case, streaming: bool) -> None:
     cache, ids, threads = case
     out = torch.empty((len(ids), *cache.shape[1:]), dtype=cache.dtype)
-    block_copy.gather(cache, ids, out, threads)
+    block_copy.gather(cache, ids, out, streaming, threads)
     assert _same_bytes(out, cache[ids])
     target = torch.zeros_like(cache)
     block_copy.scatter(target, ids, out, streaming, threads)
@@ -139,7 +140,23 @@ def test_gather_blocks_copies_big_layers_on_several_threads(path: str) -> None:
     assert torch.equal(gather_blocks(cache, ids), cache[:, ids])
 
 
-# ---------------------------------------------------------------------------- D's plan
+# ---------------------------------------------------------------------------- runs, D's plan
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 11), min_size=1, max_size=12), data=st.data())
+def test_a_message_is_a_slice_of_the_cache_exactly_when_its_ids_are_a_run(ids, data) -> None:
+    cache = torch.arange(2 * 12.0).view(2, 12, 1)
+    layer = LayerBlocks(cache, torch.tensor(ids), [len(ids)])
+    for _ in range(4):  # several messages of one layer: its breaks are found once
+        start = data.draw(st.integers(0, len(ids) - 1))
+        end = data.draw(st.integers(start + 1, len(ids)))
+        kv = data.draw(st.integers(0, 1))
+        view = layer.run(kv, start, end)
+        assert (view is None) == (consecutive_start(torch.tensor(ids[start:end])) is None)
+        if view is not None:
+            assert view.data_ptr() == cache[kv, ids[start]].data_ptr()
+            assert torch.equal(view, cache[kv, ids[start:end]])
+
+
 def test_runs_and_a_plan_cut_at_them() -> None:
     assert runs([]) == [] and runs([4, 5, 6, 9, 1, 2]) == [3, 1, 2]
     ids = [*range(10), 50, *range(52, 56), 60]

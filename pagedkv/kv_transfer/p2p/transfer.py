@@ -11,22 +11,27 @@ segment of every layer travels as two messages, its K half and its V half::
 Either side moves a message as a slice of its cache when its block ids for the message are
 consecutive (zero copy: P sends from it, D receives into it), else through a reused staging
 ring: P packs it, D scatters it, both with the compiled whole-block copy (block_copy.py; a
-memcpy per run of blocks, D's stores streamed past the caches); lanes.py.
+memcpy per run of blocks, the stores streamed past the caches); lanes.py.
 """
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedkv.kv_transfer import block_copy
 
 #: A run of blocks consecutive on D is a message of its own (received in place, no scatter)
-#: from this many bytes per half (K or V); shorter runs are packed together. Below this a
-#: gloo message's own cost (measured here: ~40-80 us) exceeds the scatter it saves.
-MIN_RUN_BYTES = 1 << 20
+#: from this many bytes per half (K or V); shorter runs are packed together. A gloo message
+#: costs P and D ~80 us of CPU together (measured here, 2 loaded cores), about what
+#: scattering 512 KiB costs D; when P's blocks are consecutive there too, no copy is left
+#: (the bandwidth benchmark's "runs": 0.71 s of CPU per GiB against 0.98 packed).
+MIN_RUN_BYTES = 1 << 19
 #: Copies of at least this many bytes per thread made on the engine thread (PUT_ASYNC's
 #: layers, GET's pool) use the forward's threads, which wait for the copy anyway.
 PARALLEL_COPY_BYTES = 4 << 20
@@ -37,7 +42,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty((2, len(block_ids), *cache.shape[2:]), dtype=cache.dtype)
     threads = min(torch.get_num_threads(), max(1, nbytes(out) // PARALLEL_COPY_BYTES))
     for kv in (0, 1):
-        block_copy.gather(cache[kv], block_ids, out[kv], threads)
+        block_copy.gather(cache[kv], block_ids, out[kv], num_threads=threads)
     return out
 
 
@@ -121,6 +126,9 @@ class LayerBlocks:
     cache: torch.Tensor
     block_ids: torch.Tensor  # int64
     segments: list[int]
+    #: Positions ``i`` where ``block_ids[i + 1] != block_ids[i] + 1``, ascending: computed
+    #: on the first ``run``, so a message's check costs no tensor op.
+    _breaks: list[int] | None = field(default=None, repr=False, compare=False)
 
     def messages(self) -> Iterator[tuple[int, int, int]]:
         """``(kv, start, end)`` over ``block_ids``, in wire order."""
@@ -135,13 +143,18 @@ class LayerBlocks:
         return (end - start, *self.cache.shape[2:])
 
     def num_bytes(self, start: int, end: int) -> int:
-        return (end - start) * self.cache[0, 0].numel() * self.cache.element_size()
+        return (end - start) * math.prod(self.cache.shape[2:]) * self.cache.element_size()
 
     def run(self, kv: int, start: int, end: int) -> torch.Tensor | None:
         """The message's blocks as a slice of the cache when this side's ids for it are
         consecutive (zero copy), else None."""
-        first = consecutive_start(self.block_ids[start:end])
-        return None if first is None else self.cache[kv, first : first + end - start]
+        ids = self.block_ids.numpy()
+        if self._breaks is None:
+            self._breaks = np.flatnonzero(np.diff(ids) != 1).tolist()
+        if start >= end or bisect_left(self._breaks, start) != bisect_left(self._breaks, end - 1):
+            return None
+        first = int(ids[start])
+        return self.cache[kv, first : first + end - start]
 
     def gather(self, kv: int, start: int, end: int, out: torch.Tensor) -> None:
         """Pack message ``(kv, start, end)`` into ``out`` (its blocks in wire order)."""
