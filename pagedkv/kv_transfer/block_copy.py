@@ -75,6 +75,12 @@ def _loaded() -> _Kernel | None:
     return _kernel  # type: ignore[return-value]
 
 
+def load() -> bool:
+    """Load the kernel now (built here on first use, which takes seconds): a connector calls
+    this when it registers its caches, so no transfer waits for a build. False: torch ops."""
+    return _loaded() is not None
+
+
 def _takes(cache: torch.Tensor, ids: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether the kernel takes these: contiguous CPU tensors of one dtype, rows of one shape,
     one int64 id per packed row."""
