@@ -8,8 +8,9 @@
 // against its side's block count before a byte moves: a bad id copies nothing.
 //
 // The stores are plain, or non-temporal (`streaming`) when the destination will not be read
-// soon (D's cache blocks, scattered into, are read by attention steps later): they bypass the
-// caches, so the lines are neither read first nor evicted from under the socket's buffers.
+// soon (D's cache blocks, read by attention steps later; a packed message, read once by the
+// socket after a few MiB of others): they bypass the caches, so the lines are not read before
+// being written and what the socket is reading stays cached.
 // One thread by default: on a small machine the gloo thread and the peer need the other cores.
 #include <cstdint>
 #include <cstring>
