@@ -8,7 +8,9 @@ GB/s (the bytes over the median time from the first side starting to D holding t
 byte) of:
   shm        the P2P lanes over the same-host shared-memory path (P gathers the blocks, D
              scatters them into its paged cache), as the connector moves KV
-  gloo       the P2P lanes over the network path (a 2-rank gloo group on loopback)
+  gloo       the P2P lanes over the network path (a 2-rank gloo group on loopback; D cuts
+             the messages where its block ids break around runs long enough to be received
+             in place, P packs and D scatters the others with the compiled block copy)
   gloo-raw   the same messages over gloo with no gather on P and no scatter on D
   TCP        the same bytes over a raw loopback TCP socket (sendall / recv_into, contiguous)
   memcpy     one copy of the same bytes in one process (``Tensor.copy_`` of a contiguous

@@ -176,7 +176,11 @@ class BenchPeer:
     def __init__(self, role: str, conn: Any, args: dict) -> None:
         from pagedkv.kv_transfer.p2p.send_modes import SendContext
         from pagedkv.kv_transfer.p2p.send_pool import SendPool
-        from pagedkv.kv_transfer.p2p.transfer import block_bytes, chunk_blocks_for
+        from pagedkv.kv_transfer.p2p.transfer import (
+            block_bytes,
+            chunk_blocks_for,
+            min_run_blocks_for,
+        )
 
         torch.set_num_threads(args["threads"])
         self.role, self.conn, self.args = role, conn, args
@@ -184,6 +188,7 @@ class BenchPeer:
         self.caches = layer_caches(self.num_blocks, fill=role == "P")
         self.ctx = SendContext(self.caches, [0] * NUM_LAYERS, BLOCK_SIZE, SendPool(0), 60)
         self.chunk_blocks = chunk_blocks_for(block_bytes(self.caches[0]), args["chunk_bytes"])
+        self.min_run_blocks = min_run_blocks_for(block_bytes(self.caches[0]), self.chunk_blocks)
         self.stacks = {
             path: LaneStack(role, path, args["ports"][path], args) for path in args["paths"]
         }
@@ -226,7 +231,7 @@ class BenchPeer:
 
     def transfer(self, command: dict) -> dict:
         """Arm, wait for "go", move one prompt's KV by ``command["op"]``; the side's times."""
-        from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, plan_segments
+        from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, plan_segments_at_runs
 
         op, n = command["op"], command["num_blocks"]
         gen = torch.Generator().manual_seed(command["seed"])
@@ -234,7 +239,9 @@ class BenchPeer:
         src_ids, dst_ids = (
             block_ids(self.num_blocks, n, self.args["placement"], gen) for _ in "PD"
         )
-        segments = [plan_segments(n, self.chunk_blocks)]  # D's plan, as in a WANT
+        # D's plan, as in a WANT: cut where D's ids break around runs received in place.
+        plan = plan_segments_at_runs(dst_ids.tolist(), self.chunk_blocks, self.min_run_blocks)
+        segments = [plan]
         stack = self.stacks[LANE_OPS[op][0]] if op in LANE_OPS else None
         raw = op in LANE_OPS and LANE_OPS[op][1]
         if stack is not None and self.role == "D":

@@ -47,7 +47,12 @@ from pagedkv.kv_transfer.p2p.protocol import (
     XferBegin,
 )
 from pagedkv.kv_transfer.p2p.receive_lane import Target
-from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, plan_segments
+from pagedkv.kv_transfer.p2p.transfer import (
+    LayerBlocks,
+    block_bytes,
+    min_run_blocks_for,
+    plan_segments_at_runs,
+)
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, Inbound, P2pStats, TransferState
 from pagedkv.transport.peer_addr import PeerAddr
 from pagedkv.transport.rate_limited_log import RateLimitedLog
@@ -81,6 +86,7 @@ class InboundTransfers:
         self.kv_caches: list[torch.Tensor] = []
         self.layer_groups: list[int] = []
         self.chunk_blocks = 1
+        self.min_run_blocks = 1
         self._lock = threading.Lock()
         self._by_request: dict[str, Inbound] = {}  # until reported
         self._by_tid: dict[str, Inbound] = {}  # until terminal
@@ -90,6 +96,8 @@ class InboundTransfers:
 
     def register(self, kv_caches: list[torch.Tensor], layer_groups: list[int], chunk_blocks: int):
         self.kv_caches, self.layer_groups, self.chunk_blocks = kv_caches, layer_groups, chunk_blocks
+        largest = max((block_bytes(cache) for cache in kv_caches), default=1)
+        self.min_run_blocks = min_run_blocks_for(largest, chunk_blocks)
 
     # ------------------------------------------------------------------ engine thread
     def on_queued(self, load: RemoteLoad) -> None:
@@ -116,7 +124,12 @@ class InboundTransfers:
                 self._end(rec, FAILED, "pair_group", f"no pair group: {e}")
             return
         rec.group = group.name
-        rec.segments = [plan_segments(len(ix), self.chunk_blocks) for ix in spec.block_indices]
+        rec.segments = [  # cut where D's blocks break, so long runs are received in place
+            plan_segments_at_runs(
+                [spec.block_ids[g][i] for i in ix], self.chunk_blocks, self.min_run_blocks
+            )
+            for g, ix in enumerate(spec.block_indices)
+        ]
         want = Want(
             spec.transfer_id,
             group.name,

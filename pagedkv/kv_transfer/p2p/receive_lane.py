@@ -2,7 +2,7 @@
 
 Batches are received in the order their XFER_BEGINs arrived. A message whose blocks are
 consecutive on D is received straight into them; any other lands in a reused staging ring and
-is scattered (``index_copy_``) under the load's lock while the next ones arrive. Once a load
+is scattered (the compiled block copy) under the load's lock while the next ones arrive. Once a load
 is cancelled nothing more is posted into or scattered into its blocks, and its end is
 reported as soon as no receive posted into them is left (at once, unless one was in
 flight): what P still sends for it drains into staging, so the lane stays in step with P

@@ -36,6 +36,7 @@ import torch
 
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.output import KVConnectorOutput
+from pagedkv.kv_transfer import block_copy
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import P2pConnectorMetadata
 from pagedkv.kv_transfer.p2p.inbound import InboundTransfers
@@ -121,6 +122,7 @@ class P2pConnectorWorker(KVConnectorWorker):
         self.outbound.half_block_bytes = largest // 2
         chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
         self.inbound.register(kv_caches, layer_groups, chunk_blocks)
+        block_copy.load()  # any build happens now, not on a lane during a transfer
 
     def get_kv_connector_stats(self) -> dict[str, int]:
         out = self.stats.as_dict()
