@@ -152,7 +152,7 @@ class Deployment:
 
     def close(self) -> None:
         self.sampler.stopped.set()
-        self.processes.close()
+        self.processes.stop()
 
 
 def metric(client: httpx.Client, url: str, name: str) -> float:

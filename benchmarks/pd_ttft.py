@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """1P1D TTFT against one instance, on one host: what disaggregation costs a prompt.
 
-A small random Llama (the hf_peer anchor's: 19M parameters, 4 layers, fp32) served two ways at
-once: one plain ``pagedkv serve``, and a P and a D (P2P connector, PUT_ASYNC by default) behind
-``pagedkv proxy``. Prompts of each length (256, 2k and 8k tokens by default) are token ids,
-each distinct (no prefix reuse), with max_tokens=1 so a request's latency is its TTFT; the two
-deployments take turns, one request at a time, the first round a warm-up. Medians.
+A small random Llama (the hf_peer anchor's: 19M parameters, 4 layers, fp32) served two ways in
+one run: one plain ``pagedkv serve``, then (once it is stopped) a P and a D (P2P connector,
+PUT_ASYNC by default) behind ``pagedkv proxy``: with both alive, the idle one slowed the other
+in shared runs. Prompts of each length (256, 2k and 8k tokens by default) are token ids, each
+distinct (no prefix reuse), with max_tokens=1 so a request's latency is its TTFT; one request
+at a time, after a warm-up. Medians.
 
 Two modes, each with its own fresh processes:
   pinned    P and D on disjoint halves of the cores, the single instance on P's half (the
@@ -80,22 +81,18 @@ def time_request(client, url: str, prompt: list[int]) -> float:
     return elapsed
 
 
-def measure(
-    urls: dict[str, str], mode: str, prompt_len: int, repeats: int, gen: torch.Generator
-) -> TTFTRow:
-    """Medians of ``repeats`` requests to each deployment, taking turns, after a warm-up."""
+def medians(url: str, prompt_len: int, repeats: int, gen: torch.Generator) -> float:
+    """Median seconds of ``repeats`` requests to one deployment, after a warm-up."""
     import httpx
 
-    times: dict[str, list[float]] = {name: [] for name in urls}
+    times = []
     with httpx.Client(timeout=600) as client:
         for rep in range(repeats + 1):
-            for name, url in urls.items():
-                prompt = torch.randint(10, VOCAB_SIZE, (prompt_len,), generator=gen).tolist()
-                elapsed = time_request(client, url, prompt)
-                if rep:
-                    times[name].append(elapsed)
-    single, pd = (statistics.median(times[name]) for name in ("single", "pd"))
-    return TTFTRow(mode, prompt_len, single, pd, repeats)
+            prompt = torch.randint(10, VOCAB_SIZE, (prompt_len,), generator=gen).tolist()
+            elapsed = time_request(client, url, prompt)
+            if rep:
+                times.append(elapsed)
+    return statistics.median(times)
 
 
 def run_mode(
@@ -114,23 +111,32 @@ def run_mode(
     serve_args = [str(model), "--max-model-len", str(max_len), "--log-level", "warning"]
     log_dir = Path(tempfile.mkdtemp(prefix=f"pd_ttft_{mode}_"))
     procs = Processes(log_dir)
-    rows = []
-    try:
-        urls = {"single": start_single(procs, serve_args, single_pin)}
-        urls["pd"], _ = start_1p1d(procs, serve_args, setup, p_pin, d_pin)
-        gen = torch.Generator().manual_seed(0)
-        for prompt_len in lengths:
-            row = measure(urls, mode, prompt_len, repeats[prompt_len], gen)
-            rows.append(row)
-            print(
-                f"    {prompt_len:5d} tokens   single {row.single_s * 1000:8.1f} ms   "
-                f"1P1D {row.pd_s * 1000:8.1f} ms   overhead {100 * row.overhead:+6.1f} %   "
-                f"(median of {row.repeats}, load {load_average()})",
-                flush=True,
-            )
-        print(f"    KV paths: {kv_paths(urls['pd'])}", flush=True)
+    seconds: dict[str, dict[int, float]] = {"single": {}, "pd": {}}
+    try:  # one deployment at a time: an idle one beside it slowed the other in shared runs
+        for name in ("single", "pd"):
+            if name == "single":
+                url = start_single(procs, serve_args, single_pin)
+            else:
+                url, _ = start_1p1d(procs, serve_args, setup, p_pin, d_pin)
+            gen = torch.Generator().manual_seed(0)
+            for prompt_len in lengths:
+                seconds[name][prompt_len] = medians(url, prompt_len, repeats[prompt_len], gen)
+            if name == "pd":
+                print(f"    KV paths: {kv_paths(url)}", flush=True)
+            procs.stop()
     finally:
         procs.stop()
+    rows = []
+    for prompt_len in lengths:
+        single_s, pd_s = seconds["single"][prompt_len], seconds["pd"][prompt_len]
+        row = TTFTRow(mode, prompt_len, single_s, pd_s, repeats[prompt_len])
+        rows.append(row)
+        print(
+            f"    {prompt_len:5d} tokens   single {single_s * 1000:8.1f} ms   "
+            f"1P1D {pd_s * 1000:8.1f} ms   overhead {100 * row.overhead:+6.1f} %   "
+            f"(median of {row.repeats}, load {load_average()})",
+            flush=True,
+        )
     print(f"    logs: {log_dir}", flush=True)
     return rows
 
