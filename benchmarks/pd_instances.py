@@ -191,6 +191,18 @@ class Processes:
         self.procs.clear()
 
 
+def time_request(client, url: str, prompt: list[int]) -> float:
+    """Seconds until the one-token answer to ``prompt`` came back (its TTFT)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    response = client.post(f"{url}/v1/completions", json=body)
+    elapsed = time.perf_counter() - t0
+    response.raise_for_status()
+    if response.json()["choices"][0]["finish_reason"] != "length":
+        raise RuntimeError(f"{url}: {response.text[:300]}")
+    return elapsed
+
+
 def wait_health(url: str, timeout_s: float = 300) -> None:
     """Until ``url/health`` answers 200."""
     import httpx

@@ -47,7 +47,12 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.pd_instances import Processes, machine_info, wait_health  # noqa: E402
+from benchmarks.pd_instances import (  # noqa: E402
+    Processes,
+    machine_info,
+    time_request,
+    wait_health,
+)
 from tests.netns_link import DEVICE, NetnsLink, unsupported_reason  # noqa: E402
 
 PROXY_PORT, REGISTRY_PORT, SERVE_PORT, LOCAL_PORT, KV_PORT = 8000, 30001, 8100, 8200, 14579
@@ -162,17 +167,6 @@ def metric(client: httpx.Client, url: str, name: str) -> float:
     return 0.0
 
 
-def ttft(client: httpx.Client, url: str, prompt: list[int]) -> float:
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-    start = time.perf_counter()
-    answer = client.post(f"{url}/v1/completions", json=body)
-    elapsed = time.perf_counter() - start
-    answer.raise_for_status()
-    if answer.json()["choices"][0]["finish_reason"] != "length":
-        raise RuntimeError(f"{url}: {answer.text[:400]}")
-    return elapsed
-
-
 @dataclass
 class Cell:
     """One rate and prompt length: per prompt, the local and PD TTFT and the KV P sent."""
@@ -224,7 +218,7 @@ def measure(client: httpx.Client, deployment: Deployment, cell: Cell, repeats: i
         order = ("local", "pd") if repeat % 2 == 0 else ("pd", "local")
         for target in order:
             start = time.perf_counter()
-            getattr(cell, target).append(ttft(client, urls[target], prompt))
+            getattr(cell, target).append(time_request(client, urls[target], prompt))
             if target == "pd":
                 pd_start = start
         kv = metric(client, urls["P"], BYTES_SENT) - sent

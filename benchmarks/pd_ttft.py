@@ -28,7 +28,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,6 +49,7 @@ from benchmarks.pd_instances import (  # noqa: E402
     parse_modes,
     start_1p1d,
     start_single,
+    time_request,
 )
 
 TARGET_TOKENS, TARGET_OVERHEAD = 2048, 0.10
@@ -67,18 +67,6 @@ class TTFTRow(NamedTuple):
     @property
     def overhead(self) -> float:
         return self.pd_s / self.single_s - 1
-
-
-def time_request(client, url: str, prompt: list[int]) -> float:
-    """Seconds until the one-token answer to ``prompt`` came back."""
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-    t0 = time.perf_counter()
-    response = client.post(f"{url}/v1/completions", json=body)
-    elapsed = time.perf_counter() - t0
-    response.raise_for_status()
-    if response.json()["choices"][0]["finish_reason"] != "length":
-        raise RuntimeError(f"{url}: {response.text[:300]}")
-    return elapsed
 
 
 def medians(url: str, prompt_len: int, repeats: int, gen: torch.Generator) -> float:
