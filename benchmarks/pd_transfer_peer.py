@@ -231,7 +231,11 @@ class BenchPeer:
 
     def transfer(self, command: dict) -> dict:
         """Arm, wait for "go", move one prompt's KV by ``command["op"]``; the side's times."""
-        from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, plan_segments_at_runs
+        from pagedkv.kv_transfer.p2p.transfer import (
+            LayerBlocks,
+            plan_segments,
+            plan_segments_at_runs,
+        )
 
         op, n = command["op"], command["num_blocks"]
         gen = torch.Generator().manual_seed(command["seed"])
@@ -239,9 +243,13 @@ class BenchPeer:
         src_ids, dst_ids = (
             block_ids(self.num_blocks, n, self.args["placement"], gen) for _ in "PD"
         )
-        # D's plan, as in a WANT: cut where D's ids break around runs received in place.
-        plan = plan_segments_at_runs(dst_ids.tolist(), self.chunk_blocks, self.min_run_blocks)
-        segments = [plan]
+        # D's plan, as InboundTransfers makes it: over gloo cut where D's ids break around
+        # runs received in place, over shared memory in chunks.
+        if op.startswith("shm"):
+            segments = [plan_segments(n, self.chunk_blocks)]
+        else:
+            ids = dst_ids.tolist()
+            segments = [plan_segments_at_runs(ids, self.chunk_blocks, self.min_run_blocks)]
         stack = self.stacks[LANE_OPS[op][0]] if op in LANE_OPS else None
         raw = op in LANE_OPS and LANE_OPS[op][1]
         if stack is not None and self.role == "D":

@@ -186,3 +186,19 @@ def test_network_on_either_side_keeps_the_pair_on_gloo(start_engine, reference_o
         "P-0": "gloo (not shm: the peer: same_host_transport is network)"
     }
     assert p.wait_settled()["kv_paths"] == {"D-0": "gloo"}  # P did not want shared memory
+
+
+def test_d_plans_chunks_over_shared_memory_and_run_aligned_messages_over_gloo() -> None:
+    """Over gloo D cuts its messages where its block ids break (long runs land in place);
+    over shared memory every message is copied out of the ring anyway: plain chunks."""
+    from types import SimpleNamespace
+
+    from pagedkv.kv_transfer.p2p.inbound import InboundTransfers
+
+    owner = SimpleNamespace(chunk_blocks=4, min_run_blocks=2)
+    ids = [10, 11, 12, 20, 30, 31, 32, 33, 34]  # runs of 3, 1 and 5 blocks
+    spec = SimpleNamespace(block_indices=[list(range(len(ids)))], block_ids=[ids])
+    assert InboundTransfers._plan(owner, spec, over_shm=True) == [[4, 4, 1]]
+    over_gloo = InboundTransfers._plan(owner, spec, over_shm=False)[0]
+    assert sum(over_gloo) == len(ids) and over_gloo != [4, 4, 1]
+    assert over_gloo[0] == 3  # the first run is a message of its own

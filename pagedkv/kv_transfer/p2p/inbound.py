@@ -51,6 +51,7 @@ from pagedkv.kv_transfer.p2p.transfer import (
     LayerBlocks,
     block_bytes,
     min_run_blocks_for,
+    plan_segments,
     plan_segments_at_runs,
 )
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, Inbound, P2pStats, TransferState
@@ -99,6 +100,20 @@ class InboundTransfers:
         largest = max((block_bytes(cache) for cache in kv_caches), default=1)
         self.min_run_blocks = min_run_blocks_for(largest, chunk_blocks)
 
+    def _plan(self, spec: LoadSpec, over_shm: bool) -> list[list[int]]:
+        """How the wanted blocks are cut into messages, per KV cache group. Over gloo, where
+        D's block ids break, so that long runs are received in place; over shared memory
+        (known once the pair is up) every message is copied out of the ring anyway, so in
+        chunks: fewer, larger messages."""
+        if over_shm:
+            return [plan_segments(len(ix), self.chunk_blocks) for ix in spec.block_indices]
+        return [
+            plan_segments_at_runs(
+                [spec.block_ids[g][i] for i in ix], self.chunk_blocks, self.min_run_blocks
+            )
+            for g, ix in enumerate(spec.block_indices)
+        ]
+
     # ------------------------------------------------------------------ engine thread
     def on_queued(self, load: RemoteLoad) -> None:
         """A request that will load from ``load.remote`` waits for admission."""
@@ -124,12 +139,8 @@ class InboundTransfers:
                 self._end(rec, FAILED, "pair_group", f"no pair group: {e}")
             return
         rec.group = group.name
-        rec.segments = [  # cut where D's blocks break, so long runs are received in place
-            plan_segments_at_runs(
-                [spec.block_ids[g][i] for i in ix], self.chunk_blocks, self.min_run_blocks
-            )
-            for g, ix in enumerate(spec.block_indices)
-        ]
+        wire = group.wire  # None until the pair is up (a first contact): planned as for gloo
+        rec.segments = self._plan(spec, over_shm=wire is not None and wire.kind == "shm")
         want = Want(
             spec.transfer_id,
             group.name,
