@@ -38,11 +38,13 @@ class _Taken:
     def __init__(self, wire: ShmWire, seq: int, check: Callable[[], None]) -> None:
         self._wire, self.seq, self._check = wire, seq, check
 
+    def taken(self) -> bool | None:
+        """True once D has released the message; None (keep waiting) before."""
+        return self._wire.send_ring.consumed(self.seq) or None
+
     def wait(self, timeout: datetime.timedelta) -> None:
-        ring, seq = self._wire.send_ring, self.seq
         try:
-            taken = lambda: ring.consumed(seq) or None  # noqa: E731
-            self._wire.wait(taken, timeout.total_seconds(), self._check)
+            self._wire.wait(self.taken, timeout.total_seconds(), self._check)
         except WireError as e:
             raise LaneError(str(e)) from e
 
