@@ -75,18 +75,6 @@ class Load:
         self.posted = 0
 
 
-def lane_classes(kind: str) -> tuple[type, type]:
-    """The (send, receive) lane classes for a wire of ``kind``."""
-    if kind == "shm":
-        from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
-
-        return ShmSendLane, ShmReceiveLane
-    from pagedkv.kv_transfer.p2p.lanes import SendLane
-    from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
-
-    return SendLane, ReceiveLane
-
-
 class LaneStack:
     """One data path between the two processes: control plane, pair groups, this side's lane."""
 
@@ -133,11 +121,13 @@ class LaneStack:
     def connect(self) -> str:
         """Set up the pair group (D initiates, as on a first WANT) and start this side's lane;
         the kind of its wire."""
+        from pagedkv.kv_transfer.p2p.shm_lanes import lane_classes
+
         group = self.groups.ensure(self.other) if self.role == "D" else self._wait_group()
         if not group.ready.wait(30) or group.error is not None:
             raise TimeoutError(f"pair group not ready: {group.error}")
         wire = group.wire
-        send_lane, receive_lane = lane_classes(wire.kind)
+        send_lane, receive_lane = lane_classes(wire)
         in_flight = self.args["in_flight_bytes"]
         if self.role == "D":
             self.lane = receive_lane(

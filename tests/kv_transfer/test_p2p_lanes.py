@@ -12,12 +12,12 @@ import weakref
 import pytest
 import torch
 
-from pagedkv.kv_transfer.p2p.lanes import Job, SendLane, StagingRing
+from pagedkv.kv_transfer.p2p.lanes import Job, StagingRing
 from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
 from pagedkv.kv_transfer.p2p.send_modes import HeldSource, SendContext
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
-from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
+from pagedkv.kv_transfer.p2p.shm_lanes import lane_classes
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, consecutive_start, plan_segments
 from tests.kv_transfer.test_p2p_units import _two_instances, wait_until
 
@@ -45,11 +45,6 @@ def pair(request):
             g.close()
         for plane in planes:
             plane.close()
-
-
-def lane_classes(group) -> tuple[type[SendLane], type[ReceiveLane]]:
-    shm = group.wire.kind == "shm"
-    return (ShmSendLane, ShmReceiveLane) if shm else (SendLane, ReceiveLane)
 
 
 class Load:
@@ -95,7 +90,7 @@ def test_batches_arrive_in_order_layer_major_each_into_its_own_blocks(pair) -> N
         return [LayerBlocks(cache, torch.zeros(sum(segments[0]), dtype=torch.int64),
                             segments[0]) for cache in dst]  # fmt: skip
 
-    send_lane, receive_lane = lane_classes(group_a)
+    send_lane, receive_lane = lane_classes(group_a.wire)
     receiver = receive_lane(
         group_b.wire, resolve, drain_layers,
         lambda load, n, error: received.append((names[id(load)], n, error)),
@@ -148,7 +143,7 @@ def test_a_lane_whose_peer_goes_away_fails_its_jobs_and_lets_the_group_go(pair) 
     pgs = [weakref.ref(group_a.wire), weakref.ref(group_b.wire)]
     broken: list[str] = []
     ended: list[Job] = []
-    sender = lane_classes(group_a)[0](
+    sender = lane_classes(group_a.wire)[0](
         group_a.wire, group_a.name, NUM_LAYERS, lambda begin: True,
         ended.append, broken.append, 1 << 20, 10, "send",
     )  # fmt: skip

@@ -41,8 +41,8 @@ from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
 from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, StoreSet, XferBegin
-from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane, Target
-from pagedkv.kv_transfer.p2p.shm_lanes import ShmReceiveLane, ShmSendLane
+from pagedkv.kv_transfer.p2p.receive_lane import Target
+from pagedkv.kv_transfer.p2p.shm_lanes import lane_classes
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
 from pagedkv.kv_transfer.p2p.wire import ShmWire
 from pagedkv.transport.codec import Codec, ProtocolError
@@ -174,7 +174,7 @@ class Peers:
     def _on_ready(self, group: PairGroup) -> None:
         peer, p2p, wire = group.peer, self.p2p, group.wire
         assert wire is not None
-        shm = wire.kind == "shm"
+        send_lane_class, receive_lane_class = lane_classes(wire)
         tag = f"{peer.engine_id[:12]}-{group.name[:6]}"
 
         def broken(reason: str) -> None:
@@ -182,7 +182,7 @@ class Peers:
 
         send_lane = receive_lane = None
         if self._sender is not None:
-            send_lane = (ShmSendLane if shm else SendLane)(
+            send_lane = send_lane_class(
                 wire,
                 group.name,
                 self._num_layers,
@@ -195,7 +195,7 @@ class Peers:
             )
         if self._receiver is not None:
             receiver = self._receiver
-            receive_lane = (ShmReceiveLane if shm else ReceiveLane)(
+            receive_lane = receive_lane_class(
                 wire,
                 lambda tid, segments: receiver.on_xfer_part(peer, tid, segments),
                 receiver.drain_layers,

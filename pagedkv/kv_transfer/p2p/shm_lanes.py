@@ -23,7 +23,14 @@ from collections.abc import Callable
 from pagedkv.kv_transfer.p2p.lanes import LaneError, Posted, SendLane
 from pagedkv.kv_transfer.p2p.receive_lane import ReceiveLane
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
-from pagedkv.kv_transfer.p2p.wire import ShmWire, WireError
+from pagedkv.kv_transfer.p2p.wire import ShmWire, Wire, WireError
+
+
+def lane_classes(wire: Wire) -> tuple[type[SendLane], type[ReceiveLane]]:
+    """The (send, receive) lane classes for ``wire``."""
+    if isinstance(wire, ShmWire):
+        return ShmSendLane, ShmReceiveLane
+    return SendLane, ReceiveLane
 
 
 def _shm(wire) -> ShmWire:
