@@ -1,0 +1,1 @@
+"""Tensor parallelism's collectives and shard arithmetic (``TPGroup``, ``shard``)."""
