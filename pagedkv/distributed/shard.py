@@ -61,3 +61,20 @@ def vocab_shard(vocab_size: int, tp_rank: int, tp_size: int) -> Shard:
     last range may end past ``vocab_size``)."""
     size = cdiv(vocab_size, tp_size)
     return Shard(tp_rank * size, size)
+
+
+class TPLayout(NamedTuple):
+    """A rank's place in its instance's tensor-parallel group, as its KV connector sees it:
+    ``rank`` of ``size``, and the checkpoint's number of KV heads (``kv_heads``: the ones this
+    rank's cache holds). ``SINGLE_LAYOUT``: one rank holding every head."""
+
+    rank: int = 0
+    size: int = 1
+    #: The checkpoint's KV heads (0 with one rank: "all of them", however many).
+    num_kv_heads: int = 0
+
+    def kv_heads(self) -> Shard:
+        return kv_head_shard(self.num_kv_heads, self.rank, self.size)
+
+
+SINGLE_LAYOUT = TPLayout()

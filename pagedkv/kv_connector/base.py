@@ -26,6 +26,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -170,9 +171,16 @@ class KVConnectorWorker(KVConnectorHalf, ABC):
     signals_progress = False
 
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint)
+        #: This rank's place in the instance's tensor-parallel group: its cache holds
+        #: ``tp.kv_heads()`` of the checkpoint's KV heads, in the same block ids as every rank.
+        self.tp = tp
         self._metadata: KVConnectorMetadata | None = None
         #: Set (by any thread) when a transfer may have ended. Replaced by
         #: ``set_progress_event``: read the attribute each time, never keep the event.

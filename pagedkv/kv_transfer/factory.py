@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import NamedTuple
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig
 
@@ -64,10 +65,15 @@ def create_scheduler_connector(
 
 
 def create_worker_connector(
-    config: KVTransferConfig, kv_cache_config, model_fingerprint: str
+    config: KVTransferConfig,
+    kv_cache_config,
+    model_fingerprint: str,
+    tp: TPLayout = SINGLE_LAYOUT,
 ) -> KVConnectorWorker:
-    """The worker half of ``config.kv_connector``."""
-    return _load(_registered(config).worker_cls)(config, kv_cache_config, model_fingerprint)
+    """The worker half of ``config.kv_connector`` for tensor-parallel rank ``tp`` (each rank
+    builds its own)."""
+    worker_cls = _load(_registered(config).worker_cls)
+    return worker_cls(config, kv_cache_config, model_fingerprint, tp)
 
 
 def create_connector(

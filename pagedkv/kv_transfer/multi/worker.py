@@ -13,9 +13,11 @@ reports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import TYPE_CHECKING
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorMetadata, KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -34,13 +36,20 @@ if TYPE_CHECKING:
 
 class MultiConnectorWorker(KVConnectorWorker):
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         configs = child_configs(config)
         self.stats_prefixes = child_prefixes(configs)
         self.workers: list[KVConnectorWorker] = build_children(
-            create_worker_connector, configs, kv_cache_config, model_fingerprint
+            functools.partial(create_worker_connector, tp=tp),
+            configs,
+            kv_cache_config,
+            model_fingerprint,
         )
         self.signals_progress = all(worker.signals_progress for worker in self.workers)
         for worker in self.workers:

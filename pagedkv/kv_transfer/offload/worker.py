@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -45,8 +46,14 @@ logger = logging.getLogger(__name__)
 class OffloadingConnectorWorker(KVConnectorWorker):
     signals_progress = True
 
-    def __init__(self, config: KVTransferConfig, kv_cache_config, model_fingerprint: str) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_cache_config,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.offload_config = OffloadingConfig.from_extra_config(config.kv_connector_extra_config)
         self.host: HostBuffer | None = None
         self.host_counters = TierIOCounters()

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer import block_copy
@@ -56,8 +57,10 @@ logger = logging.getLogger(__name__)
 class P2pConnectorWorker(KVConnectorWorker):
     signals_progress = True
 
-    def __init__(self, config, kv_cache_config, model_fingerprint: str) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+    def __init__(
+        self, config, kv_cache_config, model_fingerprint: str, tp: TPLayout = SINGLE_LAYOUT
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         p2p = self.p2p_config = P2pConfig.from_kv_transfer_config(config)
         self.me = PeerAddr(config.engine_id, config.kv_ip, config.kv_port)
         groups = kv_cache_config.kv_cache_groups

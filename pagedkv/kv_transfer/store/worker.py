@@ -9,6 +9,7 @@ from collections import defaultdict
 
 import torch
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -23,8 +24,14 @@ from pagedkv.kv_transfer.store.writer import BlockWriter, PutJob
 
 
 class StoreConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, kv_cache_config, model_fingerprint: str) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_cache_config,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.store_config = StoreConfig.from_extra_config(config.kv_connector_extra_config)
         self.backend = create_backend(self.store_config)
         self.stats = StoreStats()
