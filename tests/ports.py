@@ -52,3 +52,36 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise RuntimeError(f"no free loopback port in [{_LOWEST}, {high})")
+
+
+#: Ports a ``free_port_range`` comes from, below the single ports: aligned blocks of
+#: ``_BLOCK``, each pytest-xdist worker taking every ``count``-th block.
+_RANGES_LOWEST = 6_000
+_BLOCK = 8
+
+
+def free_port_range(n: int) -> int:
+    """The first of ``n`` (at most 8) consecutive free ports on 127.0.0.1: an instance's
+    tensor-parallel ranks listen on ``kv_port + rank``."""
+    assert 0 < n <= _BLOCK
+    index, count = _worker_share()
+    rng = random.Random()
+    for _ in range(1_000):
+        base = rng.randrange(_RANGES_LOWEST, _LOWEST) // _BLOCK * _BLOCK
+        if (base // _BLOCK) % count != index:
+            continue
+        ports = range(base, base + n)
+        if any(port in _handed_out or not _bindable(port) for port in ports):
+            continue
+        _handed_out.update(ports)
+        return base
+    raise RuntimeError(f"no {n} free consecutive loopback ports in [{_RANGES_LOWEST}, {_LOWEST})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

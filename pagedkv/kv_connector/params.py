@@ -4,9 +4,12 @@ The proxy mints them (``to_dict``); the connectors read them from a request (``p
 answer with them. On the wire they stay a JSON object with vLLM's keys::
 
     to P: {"do_remote_decode": true, "transfer_id", "remote_engine_id", "remote_host",
-           "remote_port"}                      <- D's address: only D may pull the KV
+           "remote_port", "remote_tp_size"}    <- D's address: only D may pull the KV
     to D: {"do_remote_prefill": true, "transfer_id", "remote_engine_id", "remote_host",
-           "remote_port"}                      <- P's address: where the KV is
+           "remote_port", "remote_tp_size"}    <- P's address: where the KV is
+
+``remote_tp_size`` is the other instance's tensor-parallel size (absent: the same as the
+reader's); the P2P connector plans which ranks exchange which KV heads from it.
     from a store P: {"do_remote_prefill": true, "store_num_tokens"}
 
 A request's params are client input, read on the engine thread. Each reader parses only the
@@ -32,6 +35,7 @@ TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_I
 EngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENGINE_ID_LEN)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0)]
+TPSize = Annotated[int, msgspec.Meta(ge=1, le=1024)]
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -46,15 +50,22 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_engine_id: EngineId | None = None
     remote_host: str | None = None
     remote_port: Port | None = None
+    #: The other side's tensor-parallel size (None: the same as this instance's).
+    remote_tp_size: TPSize | None = None
     #: Store connector, P's answer: the prompt tokens whose blocks it put in the store.
     store_num_tokens: TokenCount | None = None
 
     @classmethod
     def handoff(
-        cls, transfer_id: str, remote: PeerAddr, *, to: Literal["prefill", "decode"]
+        cls,
+        transfer_id: str,
+        remote: PeerAddr,
+        *,
+        to: Literal["prefill", "decode"],
+        remote_tp_size: int | None = None,
     ) -> KVTransferParams:
         """One side of a P-to-D handoff: what P gets (keep the KV for D at ``remote``) or what
-        D gets (load it from P at ``remote``)."""
+        D gets (load it from P at ``remote``); ``remote_tp_size``: that instance's size."""
         return cls(
             do_remote_decode=to == "prefill",
             do_remote_prefill=to == "decode",
@@ -62,6 +73,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
             remote_engine_id=remote.engine_id,
             remote_host=remote.host,
             remote_port=remote.port,
+            remote_tp_size=remote_tp_size,
         )
 
     @classmethod

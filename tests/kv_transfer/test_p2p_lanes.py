@@ -79,16 +79,17 @@ def test_batches_arrive_in_order_layer_major_each_into_its_own_blocks(pair) -> N
     received: list[tuple[str, int, Exception | None]] = []
     names = {id(load): tid for tid, (_, _, load) in plans.items() if load is not None}
 
-    def resolve(tid: str, segments: list[list[int]]):
-        _, dst_ids, load = plans[tid]
+    def resolve(xfer: XferPart):
+        _, dst_ids, load = plans[xfer.transfer_id]
         if load is None:
             return None
         ids = torch.tensor(dst_ids)
-        return load, [LayerBlocks(cache, ids, segments[0]) for cache in dst]
+        return load, [LayerBlocks(cache, ids, xfer.segments[0]) for cache in dst]
 
-    def drain_layers(segments):
-        return [LayerBlocks(cache, torch.zeros(sum(segments[0]), dtype=torch.int64),
-                            segments[0]) for cache in dst]  # fmt: skip
+    def drain_layers(xfer: XferPart):
+        segments = xfer.segments[0]
+        return [LayerBlocks(cache, torch.zeros(sum(segments), dtype=torch.int64), segments)
+                for cache in dst]  # fmt: skip
 
     send_lane, receive_lane = lane_classes(group_a.wire)
     receiver = receive_lane(
@@ -195,8 +196,8 @@ def test_a_load_cancelled_with_a_receive_in_its_blocks_ends_when_that_receive_ha
     told: list = []
     receiver = ReceiveLane(
         group_b.wire,
-        lambda tid, segs: (load, [LayerBlocks(c, ids, segs[0]) for c in dst]),
-        lambda segs: pytest.fail("not drained"),
+        lambda xfer: (load, [LayerBlocks(c, ids, xfer.segments[0]) for c in dst]),
+        lambda xfer: pytest.fail("not drained"),
         lambda target, n, error: told.append((n, error)),
         lambda reason: pytest.fail(reason), 1, 10, "recv",  # one message in flight at a time
     )  # fmt: skip

@@ -198,7 +198,7 @@ def test_d_plans_chunks_over_shared_memory_and_run_aligned_messages_over_gloo() 
     owner = SimpleNamespace(chunk_blocks=4, min_run_blocks=2)
     ids = [10, 11, 12, 20, 30, 31, 32, 33, 34]  # runs of 3, 1 and 5 blocks
     spec = SimpleNamespace(block_indices=[list(range(len(ids)))], block_ids=[ids])
-    assert InboundTransfers._plan(owner, spec, over_shm=True) == [[4, 4, 1]]
-    over_gloo = InboundTransfers._plan(owner, spec, over_shm=False)[0]
+    assert InboundTransfers._plan(owner, spec, in_chunks=True) == [[4, 4, 1]]
+    over_gloo = InboundTransfers._plan(owner, spec, in_chunks=False)[0]
     assert sum(over_gloo) == len(ids) and over_gloo != [4, 4, 1]
     assert over_gloo[0] == 3  # the first run is a message of its own

@@ -5,8 +5,10 @@ request id), read here::
 
     D: do_remote_prefill, transfer_id, remote_engine_id, remote_host, remote_port
                                                  <- P's KV address (all required)
+       [remote_tp_size]                          <- P's tensor-parallel size (absent: D's)
     P: do_remote_decode, transfer_id, [remote_engine_id]
                                                  <- D's engine id (optional): only D may pull
+       [remote_tp_size]                          <- D's tensor-parallel size (absent: P's)
 
 D. A request with ``do_remote_prefill`` and a local prefix hit of ``h`` tokens (block aligned)
 loads the prompt blocks it lacks, asynchronously::
@@ -37,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_connector.params import KVTransferParams, asks_for
@@ -55,7 +58,7 @@ logger = logging.getLogger(__name__)
 #: P's address, as D reads it (all required).
 _PEER_FIELDS = ("remote_engine_id", "remote_host", "remote_port")
 #: What P reads; ``remote_engine_id`` is optional there.
-_SEND_FIELDS = ("do_remote_decode", "transfer_id", "remote_engine_id")
+_SEND_FIELDS = ("do_remote_decode", "transfer_id", "remote_engine_id", "remote_tp_size")
 #: Finish reasons after which a producer's prompt KV is complete and worth sending.
 _SENDABLE = ("length", "stop")
 
@@ -72,6 +75,8 @@ class RemoteLoad(NamedTuple):
     transfer_id: str
     remote: PeerAddr | None
     error: str | None
+    #: P's tensor-parallel size (None: the same as D's).
+    remote_tp_size: int | None = None
 
 
 def parse_remote_load(raw: Mapping[str, Any]) -> RemoteLoad:
@@ -82,12 +87,12 @@ def parse_remote_load(raw: Mapping[str, Any]) -> RemoteLoad:
         tid = KVTransferParams.parse(raw, ["transfer_id"], required=["transfer_id"]).transfer_id
         transfer_id = tid or ""
         params = KVTransferParams.parse(
-            raw, ["do_remote_prefill", *_PEER_FIELDS], required=_PEER_FIELDS
+            raw, ["do_remote_prefill", *_PEER_FIELDS, "remote_tp_size"], required=_PEER_FIELDS
         )
     except ValueError as e:
         return RemoteLoad(transfer_id, None, str(e))
     peer = PeerAddr(params.remote_engine_id, params.remote_host, params.remote_port)
-    return RemoteLoad(transfer_id, peer, None)
+    return RemoteLoad(transfer_id, peer, None, params.remote_tp_size)
 
 
 @dataclass(slots=True)
@@ -104,6 +109,11 @@ class LoadSpec:
     #: D's whole block table per group; the targets are ``block_ids[g][i]`` for i in indices.
     block_ids: tuple[list[int], ...]
     block_indices: list[list[int]]
+    #: P's tensor-parallel size (None: the same as D's).
+    remote_tp_size: int | None = None
+    #: The checkpoint's KV heads this load takes from ``remote`` (None: all this rank holds);
+    #: set by the worker for one piece of a load (head_plan.py).
+    kv_heads: Shard | None = None
 
 
 @dataclass(slots=True)
@@ -117,6 +127,9 @@ class SendSpec:
     block_ids: tuple[list[int], ...]
     #: Only this engine may pull the KV (None: any peer that knows the transfer id).
     expected_peer: str | None
+    #: The checkpoint's KV heads sent (None: all this rank holds); set by the worker for one
+    #: piece of a transfer (head_plan.py).
+    kv_heads: Shard | None = None
 
 
 @dataclass
@@ -139,6 +152,9 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     arrivals: list[tuple[str, str]] = field(default_factory=list)
     #: P: arrived requests that ended (their KV is computed, or never will be).
     departures: list[str] = field(default_factory=list)
+    #: P: the tensor-parallel size of the D each transfer above goes to, where its params
+    #: say (absent: the same as P's).
+    remote_tp_sizes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -147,6 +163,7 @@ class _Producing:
 
     spec: SendSpec
     announced: bool = False
+    remote_tp_size: int | None = None
 
 
 class P2pConnector(KVConnectorBase):
@@ -194,6 +211,7 @@ class P2pConnector(KVConnectorBase):
             assert params.transfer_id is not None
             self._arrived.add(request.request_id)
             self._meta.arrivals.append((request.request_id, params.transfer_id))
+            self._note_tp_size(params.transfer_id, params.remote_tp_size)
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
@@ -229,6 +247,7 @@ class P2pConnector(KVConnectorBase):
                 num_prompt_tokens=num_prompt,
                 prompt_hash=prompt_hash(request.prompt_token_ids),
                 block_ids=block_ids,
+                remote_tp_size=load.remote_tp_size,
                 # The null block stands for window-skipped positions: never loaded into.
                 block_indices=[
                     [
@@ -258,6 +277,11 @@ class P2pConnector(KVConnectorBase):
         if not self.config.kv_role.produces or not asks_for(raw, "do_remote_decode"):
             return None
         return KVTransferParams.parse(raw, _SEND_FIELDS, required=["transfer_id"])
+
+    def _note_tp_size(self, transfer_id: str, remote_tp_size: int | None) -> None:
+        """P: this step's metadata says the size of the D the transfer goes to, if known."""
+        if remote_tp_size is not None:
+            self._meta.remote_tp_sizes[transfer_id] = remote_tp_size
 
     def _track_producer(self, request: ConnectorRequest) -> None:
         if request.request_id in self._producing:
@@ -289,7 +313,8 @@ class P2pConnector(KVConnectorBase):
                 prompt_hash(request.prompt_token_ids),
                 (),
                 params.remote_engine_id,
-            )
+            ),
+            remote_tp_size=params.remote_tp_size,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
@@ -317,6 +342,7 @@ class P2pConnector(KVConnectorBase):
         if producing.announced or num_computed_after_step < spec.num_prompt_tokens:
             return
         producing.announced = True
+        self._note_tp_size(spec.transfer_id, producing.remote_tp_size)
         self._meta.computing.append(
             replace(spec, block_ids=tuple(list(ids) for ids in spec.block_ids))
         )
@@ -348,6 +374,7 @@ class P2pConnector(KVConnectorBase):
         if owner is not None and owner != request_id:
             return False, None  # refused at admission: the live transfer is another request's
         complete = request.num_computed_tokens >= request.num_prompt_tokens
+        self._note_tp_size(transfer_id, params.remote_tp_size)
         if producing is None or not complete or request.status.finish_reason not in _SENDABLE:
             self._sending_tids.pop(transfer_id, None)
             self._meta.releases.append(transfer_id)

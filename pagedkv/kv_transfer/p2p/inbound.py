@@ -18,6 +18,11 @@ name the loads whose request P is still computing (``on_peer_busy``): a load's d
 later, here and in the scheduler (told through ``loads_in_progress``). A busy P costs time; a
 P that stops naming a load, or dies, lets its deadline run out.
 
+Between instances of different tensor-parallel sizes a load is one *piece* (head_plan.py):
+some KV heads of its blocks, from one P rank, received into this rank's cache narrowed to
+them (``LoadSpec.kv_heads``); the worker splits a request's load into its pieces and reports
+the request once each has ended (tp_pieces.py).
+
 Events: ``on_queued``, ``on_load``, ``on_cancel``, ``on_abandon`` (engine thread); ``on_nack``,
 ``on_peer_refused``, ``on_peer_busy`` (listener); ``on_xfer_part``, ``on_received`` (receive lanes);
 ``on_peer_lost`` (Peers); ``on_tick`` (maintenance). One lock guards the tables.
@@ -30,6 +35,7 @@ import threading
 
 import torch
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, RemoteLoad
@@ -45,16 +51,18 @@ from pagedkv.kv_transfer.p2p.protocol import (
     Nack,
     Want,
     XferBegin,
+    XferPart,
 )
 from pagedkv.kv_transfer.p2p.receive_lane import Target
 from pagedkv.kv_transfer.p2p.transfer import (
     LayerBlocks,
     block_bytes,
     min_run_blocks_for,
+    narrow_heads,
     plan_segments,
     plan_segments_at_runs,
 )
-from pagedkv.kv_transfer.p2p.transfer_state import Finished, Inbound, P2pStats, TransferState
+from pagedkv.kv_transfer.p2p.transfer_state import Inbound, P2pStats, Reports, TransferState
 from pagedkv.transport.peer_addr import PeerAddr
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 
@@ -74,10 +82,16 @@ class InboundTransfers:
         block_size: int,
         num_blocks: int,
         peers: Peers,
-        finished: Finished,
+        finished: Reports,
         stats: P2pStats,
+        tp_size: int = 1,
+        first_head: int = 0,
     ) -> None:
         self.config = config
+        #: This instance's tensor-parallel size, and the checkpoint's first KV head this
+        #: rank's cache holds.
+        self.tp_size = tp_size
+        self.first_head = first_head
         self.p2p = p2p
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -100,12 +114,24 @@ class InboundTransfers:
         largest = max((block_bytes(cache) for cache in kv_caches), default=1)
         self.min_run_blocks = min_run_blocks_for(largest, chunk_blocks)
 
-    def _plan(self, spec: LoadSpec, over_shm: bool) -> list[list[int]]:
+    @property
+    def num_local_heads(self) -> int:
+        """The KV heads this rank's cache holds."""
+        return self.kv_caches[0].shape[3] if self.kv_caches else 0
+
+    def _kv_heads(self, spec: LoadSpec) -> Shard:
+        """The checkpoint's KV heads ``spec`` loads (all this rank holds unless a piece)."""
+        return spec.kv_heads or Shard(self.first_head, self.num_local_heads)
+
+    def _num_heads(self, spec: LoadSpec) -> int:
+        return self._kv_heads(spec).size
+
+    def _plan(self, spec: LoadSpec, in_chunks: bool) -> list[list[int]]:
         """How the wanted blocks are cut into messages, per KV cache group. Over gloo, where
-        D's block ids break, so that long runs are received in place; over shared memory
-        (known once the pair is up) every message is copied out of the ring anyway, so in
-        chunks: fewer, larger messages."""
-        if over_shm:
+        D's block ids break, so that long runs are received in place; ``in_chunks`` (over
+        shared memory, known once the pair is up, or for some heads of each block) every
+        message is copied out of the ring or staging anyway: fewer, larger messages."""
+        if in_chunks:
             return [plan_segments(len(ix), self.chunk_blocks) for ix in spec.block_indices]
         return [
             plan_segments_at_runs(
@@ -140,7 +166,9 @@ class InboundTransfers:
             return
         rec.group = group.name
         wire = group.wire  # None until the pair is up (a first contact): planned as for gloo
-        rec.segments = self._plan(spec, over_shm=wire is not None and wire.kind == "shm")
+        over_shm = wire is not None and wire.kind == "shm"
+        narrowed = self._num_heads(spec) != self.num_local_heads
+        rec.segments = self._plan(spec, in_chunks=over_shm or narrowed)
         want = Want(
             spec.transfer_id,
             group.name,
@@ -148,6 +176,8 @@ class InboundTransfers:
             spec.prompt_hash,
             spec.block_indices,
             rec.segments,
+            tuple(self._kv_heads(spec)),
+            (spec.remote_tp_size or self.tp_size, self.tp_size),
         )
         sent = self.peers.control.send(spec.remote, want)
         with self._lock:
@@ -206,6 +236,8 @@ class InboundTransfers:
             return f"{len(begin.parts)} transfers in one batch (at most {MAX_PARTS})"
         num_groups = len(self.layer_groups and set(self.layer_groups))
         for part in begin.parts:
+            if not 0 <= part.num_heads <= self.num_local_heads:
+                return f"transfer {part.transfer_id[:40]!r}: {part.num_heads} KV heads per block"
             if len(part.segments) != num_groups or any(
                 sum(segments) > self.num_blocks or any(n < 1 for n in segments)
                 for segments in part.segments
@@ -214,24 +246,35 @@ class InboundTransfers:
         return None
 
     # ------------------------------------------------------------------ receive lanes
-    def _layers(self, ids: list[torch.Tensor], segments: list[list[int]]) -> list[LayerBlocks]:
+    def _layers(
+        self, ids: list[torch.Tensor], segments: list[list[int]], kv_heads: Shard
+    ) -> list[LayerBlocks]:
         return [
-            LayerBlocks(cache, ids[g], segments[g])
+            LayerBlocks(narrow_heads(cache, kv_heads, self.first_head), ids[g], segments[g])
             for cache, g in zip(self.kv_caches, self.layer_groups)
         ]
 
-    def drain_layers(self, segments: list[list[int]]) -> list[LayerBlocks]:
+    def drain_layers(self, xfer: XferPart) -> list[LayerBlocks]:
         """Layers to size (never scatter) the messages of a transfer nobody here wants."""
-        ids = [torch.zeros(sum(s), dtype=torch.int64) for s in segments]
-        return self._layers(ids, segments)
+        ids = [torch.zeros(sum(s), dtype=torch.int64) for s in xfer.segments]
+        num_heads = xfer.num_heads or self.num_local_heads
+        return self._layers(ids, xfer.segments, Shard(self.first_head, num_heads))
 
     def on_xfer_part(
-        self, peer: PeerAddr, transfer_id: str, segments: list[list[int]]
+        self, peer: PeerAddr, xfer: XferPart
     ) -> tuple[Target, list[LayerBlocks]] | None:
         """A batch from ``peer`` begins with this transfer: where it goes (None: drained)."""
+        transfer_id = xfer.transfer_id
         with self._lock:
             rec = self._by_tid.get(transfer_id)
-            if rec is not None and rec.spec.remote == peer and segments != rec.segments:
+            if (
+                rec is not None
+                and rec.spec.remote == peer
+                and (
+                    xfer.segments != rec.segments
+                    or (xfer.num_heads or self.num_local_heads) != self._num_heads(rec.spec)
+                )
+            ):
                 self._end(rec, FAILED, "protocol", "P's messages differ from the WANT")
             if rec is None or rec.spec.remote != peer or rec.state is not PENDING:
                 # Drained: P hears it was not delivered, so it frees at once.
@@ -243,7 +286,7 @@ class InboundTransfers:
             torch.tensor([spec.block_ids[g][i] for i in ix], dtype=torch.int64)
             for g, ix in enumerate(spec.block_indices)
         ]
-        return rec, self._layers(ids, rec.segments)
+        return rec, self._layers(ids, rec.segments, self._kv_heads(spec))
 
     def on_received(self, target: Target, num_bytes: int, error: Exception | None) -> None:
         assert isinstance(target, Inbound)

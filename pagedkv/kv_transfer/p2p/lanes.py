@@ -70,6 +70,8 @@ class Job:
     segments: list[list[int]]
     source: Source
     num_bytes: int
+    #: KV heads per block in its messages (XferPart.num_heads; 0: all the peer's rank holds).
+    num_heads: int = 0
     error: Exception | None = None
     ended: threading.Event = field(default_factory=threading.Event)
 
@@ -307,7 +309,7 @@ class SendLane(Lane):
 
     def _send_batch(self, batch: list[Job]) -> None:
         tag = _next_tag()
-        parts = [XferPart(job.transfer_id, job.segments) for job in batch]
+        parts = [XferPart(job.transfer_id, job.segments, job.num_heads) for job in batch]
         if not self._announce(XferBegin(self.group, tag, parts)):
             for job in batch:  # D never heard of this batch: nothing went out of step
                 job.error = LaneError("could not announce the transfer to D")

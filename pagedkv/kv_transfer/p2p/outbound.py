@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import SendSpec
 from pagedkv.kv_transfer.p2p.lanes import Job, LaneError, SendLane
@@ -33,8 +34,13 @@ from pagedkv.kv_transfer.p2p.outbound_records import OutboundRecords
 from pagedkv.kv_transfer.p2p.peers import Peers
 from pagedkv.kv_transfer.p2p.protocol import MAX_COMPUTING, Cancel, Done, Heartbeat, Nack, Want
 from pagedkv.kv_transfer.p2p.send_modes import SendMode
-from pagedkv.kv_transfer.p2p.transfer_state import Finished, Outbound, P2pStats, TransferState
-from pagedkv.kv_transfer.p2p.want_check import may_serve, want_problem, want_size_problem
+from pagedkv.kv_transfer.p2p.transfer_state import Outbound, P2pStats, Reports, TransferState
+from pagedkv.kv_transfer.p2p.want_check import (
+    may_serve,
+    tp_problem,
+    want_problem,
+    want_size_problem,
+)
 from pagedkv.transport.peer_addr import PeerAddr
 
 logger = logging.getLogger(__name__)
@@ -58,8 +64,9 @@ class OutboundTransfers:
         num_blocks: int,
         mode: SendMode,
         peers: Peers,
-        finished: Finished,
+        finished: Reports,
         stats: P2pStats,
+        tp_size: int = 1,
     ) -> None:
         self.is_producer = is_producer
         self.block_size = block_size
@@ -70,6 +77,10 @@ class OutboundTransfers:
         self.finished = finished
         self.stats = stats
         self.half_block_bytes = 1
+        #: This instance's tensor-parallel size, and the checkpoint's KV heads this rank holds
+        #: (set when the caches are registered).
+        self.tp_size = tp_size
+        self.own_heads = Shard(0, 0)
         self._lock = threading.Lock()
         self.records = OutboundRecords(p2p.lease_s, mode, peers, finished, stats)
         #: P's requests from their arrival until they end -> their transfer id (arrival order).
@@ -112,7 +123,7 @@ class OutboundTransfers:
                 lane = self.peers.send_lane(rec.peer.engine_id, rec.want.group)
                 if lane is None:
                     continue  # not up yet: sent after the forward, from the held blocks
-                problem = want_problem(rec, self.block_size, self.half_block_bytes)
+                problem = want_problem(rec, self.block_size, self.half_block_bytes, self.own_heads)
                 if problem is not None:
                     self.records.end(rec, REFUSED, "bad_want", problem)
                     continue
@@ -173,6 +184,10 @@ class OutboundTransfers:
                 return
             if not self.is_producer:
                 self.peers.control.send(peer, Nack(want.transfer_id, "not a KV producer"))
+                return
+            mismatch = tp_problem(want, self.tp_size)
+            if mismatch is not None:
+                self.peers.control.send(peer, Nack(want.transfer_id, mismatch))
                 return
             if not self.peers.has_group(peer.engine_id, want.group):
                 why = f"refused: no pair group {want.group[:8]} with {peer.engine_id}"
@@ -308,7 +323,7 @@ class OutboundTransfers:
             if not self.peers.has_group(rec.peer.engine_id, rec.want.group):
                 self.records.end(rec, FAILED, "group_lost", "the pair group with D is gone")
             return  # being set up: on_group_ready
-        problem = want_problem(rec, self.block_size, self.half_block_bytes)
+        problem = want_problem(rec, self.block_size, self.half_block_bytes, self.own_heads)
         if problem is not None:
             self.records.end(rec, REFUSED, "bad_want", problem)
             return

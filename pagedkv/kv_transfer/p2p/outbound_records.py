@@ -17,7 +17,7 @@ from pagedkv.kv_transfer.p2p.peers import Peers
 from pagedkv.kv_transfer.p2p.protocol import Nack
 from pagedkv.kv_transfer.p2p.send_modes import SendMode
 from pagedkv.kv_transfer.p2p.tombstones import Tombstones
-from pagedkv.kv_transfer.p2p.transfer_state import Finished, Outbound, P2pStats, TransferState
+from pagedkv.kv_transfer.p2p.transfer_state import Outbound, P2pStats, Reports, TransferState
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class OutboundRecords(dict[str, Outbound]):
     """Transfer id -> record; made (``make``), ended (``end``) and retired only here."""
 
     def __init__(
-        self, lease_s: float, mode: SendMode, peers: Peers, finished: Finished, stats: P2pStats
+        self, lease_s: float, mode: SendMode, peers: Peers, finished: Reports, stats: P2pStats
     ) -> None:
         super().__init__()
         self.mode = mode

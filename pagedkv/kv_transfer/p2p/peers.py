@@ -40,7 +40,15 @@ import msgspec
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.lanes import Job, SendLane
 from pagedkv.kv_transfer.p2p.pair_group import PairGroup, PairGroups
-from pagedkv.kv_transfer.p2p.protocol import Bye, Cancel, Heartbeat, Hello, StoreSet, XferBegin
+from pagedkv.kv_transfer.p2p.protocol import (
+    Bye,
+    Cancel,
+    Heartbeat,
+    Hello,
+    StoreSet,
+    XferBegin,
+    XferPart,
+)
 from pagedkv.kv_transfer.p2p.receive_lane import Target
 from pagedkv.kv_transfer.p2p.shm_lanes import lane_classes
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks
@@ -72,10 +80,10 @@ class Sender(PeerListener, Protocol):
 
 class Receiver(PeerListener, Protocol):
     def on_xfer_part(
-        self, peer: PeerAddr, transfer_id: str, segments: list[list[int]]
+        self, peer: PeerAddr, xfer: XferPart
     ) -> tuple[Target, list[LayerBlocks]] | None: ...
 
-    def drain_layers(self, segments: list[list[int]]) -> list[LayerBlocks]: ...
+    def drain_layers(self, xfer: XferPart) -> list[LayerBlocks]: ...
 
     def on_received(self, target: Target, num_bytes: int, error: Exception | None) -> None: ...
 
@@ -197,7 +205,7 @@ class Peers:
             receiver = self._receiver
             receive_lane = receive_lane_class(
                 wire,
-                lambda tid, segments: receiver.on_xfer_part(peer, tid, segments),
+                lambda xfer: receiver.on_xfer_part(peer, xfer),
                 receiver.drain_layers,
                 receiver.on_received,
                 broken,

@@ -26,7 +26,9 @@ class Want(msgspec.Struct, frozen=True):
 
     ``block_indices[g]`` are positions in the request's block table of KV cache group ``g``
     (D lacks them; D never asks for a position it holds as the null block). ``segments[g]``
-    cut them into messages (lengths, summing to ``len(block_indices[g])``; see transfer.py)."""
+    cut them into messages (lengths, summing to ``len(block_indices[g])``; see transfer.py).
+    ``kv_heads``: the checkpoint's KV heads D wants of those blocks (first, count), planned
+    for the tensor-parallel sizes ``tp_sizes`` (P's, D's); see head_plan.py."""
 
     transfer_id: str
     group: str
@@ -34,14 +36,18 @@ class Want(msgspec.Struct, frozen=True):
     prompt_hash: str
     block_indices: list[list[int]]
     segments: list[list[int]]
+    kv_heads: tuple[int, int] = (0, 0)
+    tp_sizes: tuple[int, int] = (1, 1)
 
 
 class XferPart(msgspec.Struct, frozen=True, array_like=True):
-    """One transfer of a wire batch: its id and the segments of its WANT (per KV cache group,
-    blocks per message), so D can size every message even of a transfer it forgot."""
+    """One transfer of a wire batch: its id, the segments of its WANT (per KV cache group,
+    blocks per message) and the KV heads of each block sent (0: all D's rank holds), so D can
+    size every message even of a transfer it forgot."""
 
     transfer_id: str
     segments: list[list[int]]
+    num_heads: int = 0
 
 
 class XferBegin(msgspec.Struct, frozen=True):

@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from pagedkv.kv_transfer.p2p.lanes import Lane, LaneError
-from pagedkv.kv_transfer.p2p.protocol import XferBegin
+from pagedkv.kv_transfer.p2p.protocol import XferBegin, XferPart
 from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, nbytes
 from pagedkv.kv_transfer.p2p.wire import GlooWire, Wire
 
@@ -57,9 +57,9 @@ class _Message(NamedTuple):
 
 
 class ReceiveLane(Lane):
-    """D's side. ``resolve(transfer_id, segments)`` (called on the lane thread when a batch
-    starts) gives a load's target and its layers, or None: the part drains into staging
-    (``drain_layers`` sizes it). ``on_received(target, num_bytes, error)``: a resolved
+    """D's side. ``resolve(part)`` (called on the lane thread when a batch starts) gives a
+    load's target and its layers, or None: the part drains into staging (``drain_layers``
+    sizes it). ``on_received(target, num_bytes, error)``: a resolved
     part's last message is in (error None), or the lane can't go on, or a cancelled part's
     last receive posted into its blocks has ended (the same part may be told more than once:
     only the first end counts)."""
@@ -67,8 +67,8 @@ class ReceiveLane(Lane):
     def __init__(
         self,
         wire: Wire,
-        resolve: Callable[[str, list[list[int]]], tuple[Target, list[LayerBlocks]] | None],
-        drain_layers: Callable[[list[list[int]]], list[LayerBlocks]],
+        resolve: Callable[[XferPart], tuple[Target, list[LayerBlocks]] | None],
+        drain_layers: Callable[[XferPart], list[LayerBlocks]],
         on_received: Callable[[Target, int, Exception | None], None],
         on_broken: Callable[[str], None],
         in_flight_bytes: int,
@@ -124,9 +124,9 @@ class ReceiveLane(Lane):
     def _plan(self, begin: XferBegin) -> None:
         parts = []
         for xfer in begin.parts:
-            resolved = self._resolve(xfer.transfer_id, xfer.segments)
+            resolved = self._resolve(xfer)
             if resolved is None:
-                parts.append(_Part(None, self._drain_layers(xfer.segments)))
+                parts.append(_Part(None, self._drain_layers(xfer)))
             else:
                 parts.append(_Part(*resolved))
         order = [

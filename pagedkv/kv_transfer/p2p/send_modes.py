@@ -11,6 +11,10 @@ lane reads the KV from and when::
     GET          never                                         from a copy in the send pool
                                                                (the blocks are freed at once)
 
+A piece of a transfer between instances of different tensor-parallel sizes (head_plan.py)
+sends only its KV heads (``SendSpec.kv_heads``): every mode reads its blocks narrowed to them
+(transfer.py's ``narrow_heads``); PUT_ASYNC copies only those heads, GET copies whole blocks.
+
 Copies (PUT_ASYNC's layers, GET's pool) count against ``kv_buffer_size``: past it PUT_ASYNC
 sends from the held blocks after the request finished, and GET refuses the transfer (NACK).
 
@@ -29,9 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_transfer.p2p.lanes import Job, LaneError
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
-from pagedkv.kv_transfer.p2p.transfer import LayerBlocks, block_bytes, gather_blocks
+from pagedkv.kv_transfer.p2p.transfer import (
+    LayerBlocks,
+    block_bytes,
+    gather_blocks,
+    narrow_heads,
+)
 from pagedkv.kv_transfer.p2p.transfer_state import Outbound
 from pagedkv.utils import cdiv
 
@@ -40,24 +50,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SendContext:
-    """What every mode reads: the paged cache, each layer's KV cache group, the copy budget."""
+    """What every mode reads: the paged cache, each layer's KV cache group, the copy budget,
+    and the checkpoint's first KV head the cache holds (this rank's)."""
 
     kv_caches: list[torch.Tensor]
     layer_groups: list[int]
     block_size: int
     pool: SendPool
     timeout_s: float
+    first_head: int = 0
+
+    def narrow(self, cache: torch.Tensor, kv_heads: Shard | None) -> torch.Tensor:
+        return narrow_heads(cache, kv_heads, self.first_head)
 
 
 class HeldSource:
-    """A transfer read from blocks that stay put until the lane is done with it."""
+    """A transfer read from blocks that stay put until the lane is done with it (only the
+    checkpoint's ``kv_heads`` of them, when given)."""
 
-    def __init__(self, caches: list[torch.Tensor], ctx: SendContext, ids, segments) -> None:
+    def __init__(
+        self, caches: list[torch.Tensor], ctx: SendContext, ids, segments, kv_heads=None
+    ) -> None:
         self._caches, self._ctx, self._ids, self._segments = caches, ctx, ids, segments
+        self._kv_heads = kv_heads
 
     def layer(self, layer_idx: int) -> LayerBlocks:
         g = self._ctx.layer_groups[layer_idx]
-        return LayerBlocks(self._caches[layer_idx], self._ids[g], self._segments[g])
+        cache = self._ctx.narrow(self._caches[layer_idx], self._kv_heads)
+        return LayerBlocks(cache, self._ids[g], self._segments[g])
 
 
 class StreamSource:
@@ -91,6 +111,7 @@ class _Streaming:
     source: StreamSource
     ids: list[torch.Tensor]
     segments: list[list[int]]
+    kv_heads: Shard | None
 
 
 class SendMode:
@@ -109,11 +130,22 @@ class SendMode:
         self._in_forward: set[str] = set()
         self._layers_done = 0
 
-    def num_bytes(self, ids: list[torch.Tensor]) -> int:
+    def num_bytes(self, ids: list[torch.Tensor], kv_heads: Shard | None = None) -> int:
         return sum(
-            block_bytes(cache) * len(ids[g])
+            block_bytes(self.ctx.narrow(cache, kv_heads)) * len(ids[g])
             for cache, g in zip(self.ctx.kv_caches, self.ctx.layer_groups)
         )
+
+    def _job(self, rec: Outbound, segments: list[list[int]], source, num_bytes: int) -> Job:
+        """The lane's job for ``rec``, its messages ``num_heads`` KV heads per block."""
+        kv_heads = self.kv_heads(rec)
+        num_heads = kv_heads.size if kv_heads is not None else self.ctx.kv_caches[0].shape[3]
+        return Job(rec.transfer_id, segments, source, num_bytes, num_heads)
+
+    @staticmethod
+    def kv_heads(rec: Outbound) -> Shard | None:
+        """The checkpoint's KV heads the transfer sends (None: all this rank holds)."""
+        return rec.spec.kv_heads if rec.spec is not None else None
 
     def ids(self, rec: Outbound) -> list[torch.Tensor]:
         """Per KV cache group, where the wanted blocks are: block ids in the paged cache."""
@@ -133,8 +165,9 @@ class SendMode:
 
     def whole(self, rec: Outbound, ids: list[torch.Tensor], segments: list[list[int]]) -> Job:
         """The transfer as one job, from the held blocks."""
-        source = HeldSource(self.ctx.kv_caches, self.ctx, ids, segments)
-        return Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+        heads = self.kv_heads(rec)
+        source = HeldSource(self.ctx.kv_caches, self.ctx, ids, segments, heads)
+        return self._job(rec, segments, source, self.num_bytes(ids, heads))
 
     def stream(
         self, rec: Outbound, ids: list[torch.Tensor], segments: list[list[int]]
@@ -161,7 +194,7 @@ class SendMode:
             assert isinstance(job.source, StreamSource)
             for layer_idx in range(done):
                 g = self.ctx.layer_groups[layer_idx]
-                cache = self.ctx.kv_caches[layer_idx]
+                cache = self.ctx.narrow(self.ctx.kv_caches[layer_idx], self.kv_heads(rec))
                 job.source.put(layer_idx, LayerBlocks(cache, ids[g], segments[g]))
         return job
 
@@ -172,7 +205,8 @@ class SendMode:
             streaming = list(self._streaming)
         for s in streaming:
             if not s.job.ended.is_set():  # not cancelled before its batch started
-                s.source.put(layer_idx, self._layer_of(kv_cache, s.ids[g], s.segments[g]))
+                cache = self.ctx.narrow(kv_cache, s.kv_heads)
+                s.source.put(layer_idx, self._layer_of(cache, s.ids[g], s.segments[g]))
 
     def _layer_of(self, cache: torch.Tensor, ids: torch.Tensor, segments: list[int]) -> LayerBlocks:
         return LayerBlocks(cache, ids, segments)
@@ -193,9 +227,10 @@ class SendMode:
 
     def _start_stream(self, rec: Outbound, ids, segments) -> Job:
         source = StreamSource(len(self.ctx.kv_caches), self.ctx.timeout_s)
-        job = Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+        heads = self.kv_heads(rec)
+        job = self._job(rec, segments, source, self.num_bytes(ids, heads))
         with self._lock:
-            self._streaming.append(_Streaming(job, source, ids, segments))
+            self._streaming.append(_Streaming(job, source, ids, segments, heads))
         return job
 
 
@@ -218,7 +253,7 @@ class PutAsyncMode(SendMode):
     while the engine goes on (copies within ``kv_buffer_size``, else sent afterwards)."""
 
     def stream(self, rec, ids, segments) -> Job | None:
-        if not self.ctx.pool.reserve(rec.transfer_id, self.num_bytes(ids)):
+        if not self.ctx.pool.reserve(rec.transfer_id, self.num_bytes(ids, self.kv_heads(rec))):
             return None
         return self._start_stream(rec, ids, segments)
 
@@ -262,8 +297,9 @@ class GetMode(SendMode):
         entry = self.ctx.pool.get(rec.transfer_id)
         if entry is None:
             raise LaneError("the send pool copy is gone")
-        source = HeldSource(entry.layers, self.ctx, ids, segments)
-        return Job(rec.transfer_id, segments, source, self.num_bytes(ids))
+        heads = self.kv_heads(rec)
+        source = HeldSource(entry.layers, self.ctx, ids, segments, heads)
+        return self._job(rec, segments, source, self.num_bytes(ids, heads))
 
 
 SEND_MODES: dict[str, type[SendMode]] = {"PUT": PutMode, "PUT_ASYNC": PutAsyncMode, "GET": GetMode}

@@ -12,6 +12,12 @@ Either side moves a message as a slice of its cache when its block ids for the m
 consecutive (zero copy: P sends from it, D receives into it), else through a reused staging
 ring: P packs it, D scatters it, both with the compiled whole-block copy (block_copy.py; a
 memcpy per run of blocks, the stores streamed past the caches); lanes.py.
+
+Between instances of different tensor-parallel sizes a transfer may carry only some of the
+KV heads of each block (a piece, head_plan.py): both sides then see their cache narrowed on
+the head dimension (``narrow_heads``), a view that is not contiguous, so every message is
+packed (torch's ``index_select`` of the heads) and scattered (``index_copy_`` into them):
+``[n, block_size, heads of the piece, head_size]``. The same-TP path never narrows.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_transfer import block_copy
 
 #: A run of blocks consecutive on D is a message of its own (received in place, no scatter)
@@ -44,6 +51,15 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     for kv in (0, 1):
         block_copy.gather(cache[kv], block_ids, out[kv], num_threads=threads)
     return out
+
+
+def narrow_heads(cache: torch.Tensor, kv_heads: Shard | None, first_head: int) -> torch.Tensor:
+    """A layer cache ``[2, num_blocks, block_size, heads, head_size]`` whose heads are the
+    checkpoint's from ``first_head`` on, narrowed to the checkpoint's ``kv_heads`` (None, or
+    all of them: the cache itself)."""
+    if kv_heads is None or (kv_heads.start == first_head and kv_heads.size == cache.shape[3]):
+        return cache
+    return cache.narrow(3, kv_heads.start - first_head, kv_heads.size)
 
 
 def block_bytes(cache: torch.Tensor) -> int:
@@ -147,7 +163,9 @@ class LayerBlocks:
 
     def run(self, kv: int, start: int, end: int) -> torch.Tensor | None:
         """The message's blocks as a slice of the cache when this side's ids for it are
-        consecutive (zero copy), else None."""
+        consecutive (zero copy) and the cache holds whole blocks (not narrowed), else None."""
+        if not self.cache.is_contiguous():
+            return None
         ids = self.block_ids.numpy()
         if self._breaks is None:
             self._breaks = np.flatnonzero(np.diff(ids) != 1).tolist()

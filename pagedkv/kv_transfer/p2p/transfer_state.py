@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Protocol
 
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, SendSpec
@@ -128,6 +129,16 @@ class P2pStats:
             out[f"num_sends_{state}"] = self.sends[state]
             out[f"num_loads_{state}"] = self.loads[state]
         return out
+
+
+class Reports(Protocol):
+    """Where the owners report a transfer's end (``Finished``, or pieces joined first)."""
+
+    def sending(self, request_id: str) -> None: ...
+
+    def recving(self, request_id: str, invalid_block_ids: set[int], error: str | None) -> None: ...
+
+    def in_progress(self, request_ids: list[str]) -> None: ...
 
 
 class Finished:

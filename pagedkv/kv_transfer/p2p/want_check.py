@@ -3,11 +3,12 @@
 A WANT is kept (early, before P's request reached its KV) only if it could be a request's at
 all, so a flood of made-up ones costs bounded memory; it is served only to the D that P's
 request allows (if it names one), and only if it names exactly the blocks of P's prompt that
-D may ask for, cut into sane messages.
+D may ask for, cut into sane messages, and the KV heads P planned to send it (head_plan.py).
 """
 
 from __future__ import annotations
 
+from pagedkv.distributed.shard import Shard
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_transfer.p2p.connector import SendSpec
 from pagedkv.kv_transfer.p2p.protocol import Want
@@ -17,6 +18,17 @@ from pagedkv.utils import cdiv
 
 #: No single message may be larger, whatever a WANT asks for.
 MAX_MESSAGE_BYTES = 256 << 20
+
+
+def tp_problem(want: Want, tp_size: int) -> str | None:
+    """Why a WANT planned for a P of another tensor-parallel size than ``tp_size`` can't be
+    served (None: it was planned for this one)."""
+    if want.tp_sizes[0] == tp_size:
+        return None
+    return (
+        f"D planned for a P of {want.tp_sizes[0]} tensor-parallel ranks, this P has {tp_size} "
+        f"(kv_transfer_params.remote_tp_size)"
+    )
 
 
 def want_size_problem(want: Want, num_groups: int, block_size: int, num_blocks: int) -> str | None:
@@ -38,12 +50,20 @@ def may_serve(spec: SendSpec | None, peer: PeerAddr) -> bool:
     return spec is None or spec.expected_peer in (None, peer.engine_id)
 
 
-def want_problem(rec: Outbound, block_size: int, half_block_bytes: int) -> str | None:
-    """Why D's WANT can't be served from this KV (None: it can)."""
+def want_problem(
+    rec: Outbound, block_size: int, half_block_bytes: int, own_heads: Shard
+) -> str | None:
+    """Why D's WANT can't be served from this KV, this rank holding the checkpoint's KV heads
+    ``own_heads`` (None: it can)."""
     want, spec, peer = rec.want, rec.spec, rec.peer
     assert want is not None and spec is not None and peer is not None
     if not may_serve(spec, peer):
         return f"transfer is for {spec.expected_peer}, not {peer.engine_id}"
+    if tuple(want.kv_heads) != tuple(spec.kv_heads or own_heads):
+        return (
+            f"D wants KV heads {tuple(want.kv_heads)} (first, count), P planned "
+            f"{tuple(spec.kv_heads or own_heads)} (tensor-parallel sizes differ from the params?)"
+        )
     if want.num_prompt_tokens != spec.num_prompt_tokens or want.prompt_hash != spec.prompt_hash:
         return "prompt mismatch: P and D hold different prompts for this transfer"
     if len(want.block_indices) != len(spec.block_ids):

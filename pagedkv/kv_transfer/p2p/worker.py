@@ -21,6 +21,10 @@ Who owns what (each with its own lock, changed only through named events):
   SendMode (send_modes.py)         PUT / PUT_ASYNC / GET: where a send reads the KV from
   SendLane / ReceiveLane (lanes.py) the data path of one pair group, one thread each way
 
+With tensor parallelism every rank runs this worker half, a peer of its own (head_plan.py:
+``kv_port + rank``); each event about a request becomes events about this rank's pieces of
+it (tp_pieces.py), whose reports are joined per request before they go up.
+
 Threads (all daemons, every wait on a peer bounded): the engine thread (these hooks), the
 control plane's listener, one maintenance thread (leases, deadlines, heartbeats, liveness),
 one lane thread per pair group and direction, and a short-lived one per pair group setup.
@@ -34,18 +38,20 @@ import time
 
 import torch
 
-from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
+from pagedkv.distributed.shard import SINGLE_LAYOUT, Shard, TPLayout
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer import block_copy
 from pagedkv.kv_transfer.p2p.config import P2pConfig
 from pagedkv.kv_transfer.p2p.connector import P2pConnectorMetadata
+from pagedkv.kv_transfer.p2p.head_plan import rank_address
 from pagedkv.kv_transfer.p2p.inbound import InboundTransfers
 from pagedkv.kv_transfer.p2p.outbound import OutboundTransfers
 from pagedkv.kv_transfer.p2p.peers import Peers
 from pagedkv.kv_transfer.p2p.protocol import MESSAGE_TYPES, Cancel, Done, Heartbeat, Nack, Want
 from pagedkv.kv_transfer.p2p.send_modes import SEND_MODES, SendContext
 from pagedkv.kv_transfer.p2p.send_pool import SendPool
+from pagedkv.kv_transfer.p2p.tp_pieces import PieceReports, TPPieces
 from pagedkv.kv_transfer.p2p.transfer import block_bytes, chunk_blocks_for
 from pagedkv.kv_transfer.p2p.transfer_state import Finished, P2pStats
 from pagedkv.transport.codec import Codec
@@ -62,14 +68,19 @@ class P2pConnectorWorker(KVConnectorWorker):
     ) -> None:
         super().__init__(config, kv_cache_config, model_fingerprint, tp)
         p2p = self.p2p_config = P2pConfig.from_kv_transfer_config(config)
-        self.me = PeerAddr(config.engine_id, config.kv_ip, config.kv_port)
+        self.me = rank_address(PeerAddr(config.engine_id, config.kv_ip, config.kv_port), tp.rank)
+        first_head = tp.kv_heads().start if tp.size > 1 else 0
         groups = kv_cache_config.kv_cache_groups
         block_size = groups[0].kv_cache_spec.block_size
         num_layers = sum(len(group.layer_names) for group in groups)
         self.stats = P2pStats()
         self.finished = Finished(self.notify_progress)
+        self.reports = PieceReports(self.finished)
+        self.pieces: TPPieces | None = None  # once the caches say how many heads they hold
         self.pool = SendPool(int(config.kv_buffer_size))
-        self.send_context = SendContext([], [], block_size, self.pool, p2p.transfer_timeout_s)
+        self.send_context = SendContext(
+            [], [], block_size, self.pool, p2p.transfer_timeout_s, first_head
+        )
         self.mode = SEND_MODES[p2p.send_type](self.send_context)
 
         codec = Codec(model_fingerprint, p2p.secret_bytes, p2p.max_message_bytes, MESSAGE_TYPES)
@@ -82,27 +93,9 @@ class P2pConnectorWorker(KVConnectorWorker):
             Nack: lambda peer, m: self.inbound.on_nack(peer, m),
         }
         self.peers = Peers(
-            self.me, codec, p2p, handlers, num_layers, name=f"p2p[{config.engine_id[:8]}]"
+            self.me, codec, p2p, handlers, num_layers, name=f"p2p[{self.me.engine_id[:12]}]"
         )
-        num_blocks = kv_cache_config.num_blocks
-        self.outbound = OutboundTransfers(
-            p2p,
-            config.kv_role.produces,
-            block_size,
-            len(groups),
-            num_blocks,
-            self.mode,
-            self.peers,
-            self.finished,
-            self.stats,
-        )
-        self.inbound = InboundTransfers(
-            config, p2p, block_size, num_blocks, self.peers, self.finished, self.stats
-        )
-        self.peers.bind(
-            self.outbound if config.kv_role.produces else None,
-            self.inbound if config.kv_role.consumes else None,
-        )
+        self.outbound, self.inbound = self._owners(config, kv_cache_config, first_head)
         self._stop = threading.Event()
         self._maintenance = threading.Thread(
             target=self._maintain, name="p2p-maintenance", daemon=True
@@ -111,11 +104,47 @@ class P2pConnectorWorker(KVConnectorWorker):
         self._maintenance.start()
         logger.info(
             "P2P connector %s (%s, %s) listening on %s",
-            config.engine_id,
+            self.me.engine_id,
             config.kv_role,
             p2p.send_type,
             self.me.endpoint,
         )
+
+    def _owners(
+        self, config, kv_cache_config, first_head: int
+    ) -> tuple[OutboundTransfers, InboundTransfers]:
+        """P's and D's owners, bound to the peers (each side only where the role has it)."""
+        p2p, tp = self.p2p_config, self.tp
+        groups = kv_cache_config.kv_cache_groups
+        block_size, num_blocks = groups[0].kv_cache_spec.block_size, kv_cache_config.num_blocks
+        outbound = OutboundTransfers(
+            p2p,
+            config.kv_role.produces,
+            block_size,
+            len(groups),
+            num_blocks,
+            self.mode,
+            self.peers,
+            self.reports,
+            self.stats,
+            tp.size,
+        )
+        inbound = InboundTransfers(
+            config,
+            p2p,
+            block_size,
+            num_blocks,
+            self.peers,
+            self.reports,
+            self.stats,
+            tp.size,
+            first_head,
+        )
+        self.peers.bind(
+            outbound if config.kv_role.produces else None,
+            inbound if config.kv_role.consumes else None,
+        )
+        return outbound, inbound
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
         super().register_kv_caches(kv_caches, layer_groups)
@@ -123,9 +152,24 @@ class P2pConnectorWorker(KVConnectorWorker):
         self.send_context.kv_caches = kv_caches
         self.send_context.layer_groups = layer_groups
         self.outbound.half_block_bytes = largest // 2
+        self._plan_pieces(kv_caches[0].shape[3])
         chunk_blocks = chunk_blocks_for(largest, self.p2p_config.chunk_bytes)
         self.inbound.register(kv_caches, layer_groups, chunk_blocks)
         block_copy.load()  # any build happens now, not on a lane during a transfer
+
+    def _plan_pieces(self, num_local_heads: int) -> None:
+        """This rank's heads, now that its cache says how many it holds (with one rank, all
+        the checkpoint's: ``tp.num_kv_heads`` may be 0)."""
+        tp = self.tp
+        num_kv_heads = tp.num_kv_heads or num_local_heads
+        own = tp.kv_heads() if tp.size > 1 else Shard(0, num_kv_heads)
+        if own.size != num_local_heads:
+            raise ValueError(
+                f"rank {tp.rank} of {tp.size} holds {own.size} of {num_kv_heads} KV heads, "
+                f"its cache {num_local_heads}"
+            )
+        self.outbound.own_heads = own
+        self.pieces = TPPieces(tp, num_kv_heads, own, self.reports)
 
     def get_kv_connector_stats(self) -> dict[str, int]:
         out = self.stats.as_dict()
@@ -141,24 +185,48 @@ class P2pConnectorWorker(KVConnectorWorker):
         meta = self._metadata
         if not isinstance(meta, P2pConnectorMetadata):
             return
-        if meta.arrivals:
-            self.outbound.on_arrived(meta.arrivals)
+        pieces = self.pieces
+        assert pieces is not None, "register_kv_caches first"
+        sizes = meta.remote_tp_sizes
+        arrivals = [
+            arrival
+            for request_id, tid in meta.arrivals
+            for arrival in pieces.arrived(request_id, tid, sizes.get(tid))
+        ]
+        if arrivals:
+            self.outbound.on_arrived(arrivals)
         for transfer_id in meta.releases:
-            self.outbound.on_release(transfer_id)
+            for tid in pieces.transfer_ids(transfer_id, sizes.get(transfer_id)):
+                self.outbound.on_release(tid)
         for spec in meta.holds:
-            self.outbound.on_hold(spec)
+            for piece in pieces.hold(spec, sizes.get(spec.transfer_id)):
+                self.outbound.on_hold(piece)
+        self._start_loads(meta, pieces)
+        computing = [
+            piece
+            for spec in meta.computing
+            for piece in pieces.sends(spec, sizes.get(spec.transfer_id))
+        ]
+        if computing:
+            self.outbound.on_computing(computing)
+        departures = [rid for request_id in meta.departures for rid in pieces.departed(request_id)]
+        if departures:
+            self.outbound.on_departed(departures)
+
+    def _start_loads(self, meta: P2pConnectorMetadata, pieces: TPPieces) -> None:
+        """D's events, each for this rank's pieces of its request."""
         for load in meta.queued:
-            self.inbound.on_queued(load)
+            for piece in pieces.remote_loads(load):
+                self.inbound.on_queued(piece)
         for spec in meta.loads:
-            self.inbound.on_load(spec)
+            for piece in pieces.loads(spec):
+                self.inbound.on_load(piece)
         for request_id in meta.cancels:
-            self.inbound.on_cancel(request_id, "cancelled (aborted, or past kv_load_timeout)")
+            for piece_id in self.reports.pieces_of(request_id):
+                self.inbound.on_cancel(piece_id, "cancelled (aborted, or past kv_load_timeout)")
         for load in meta.abandons:
-            self.inbound.on_abandon(load)
-        if meta.computing:
-            self.outbound.on_computing(meta.computing)
-        if meta.departures:
-            self.outbound.on_departed(meta.departures)
+            for piece in pieces.remote_loads(load):
+                self.inbound.on_abandon(piece)
 
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata) -> None:
         self.mode.save_layer(layer_idx, kv_cache)
