@@ -58,6 +58,11 @@ class TPGroup:
         self.pg.gather([], [x], options).wait()
         return None
 
+    def close(self) -> None:
+        """This rank gives up on the group (idempotent): a peer that died releases a rank
+        blocked in a gloo collective by itself (its sockets close), so there is nothing more to
+        do over gloo."""
+
 
 SINGLE_RANK = TPGroup(0, 1)
 
