@@ -99,6 +99,8 @@ class ShmAllReduce:
             rank,
         )
         self._who = ctypes.c_int32(0)
+        self._group_ref = ctypes.byref(self._group)
+        self._who_ref = ctypes.byref(self._who)
         self._seq = 0
         for name, argtypes in _SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
@@ -129,15 +131,16 @@ class ShmAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The rank-order sum of every rank's ``x`` (CPU fp32/bf16/fp16), in place; returns x."""
-        flat = x.contiguous().view(-1)
-        chunk = self._open().slot_bytes // x.element_size()
-        for start in range(0, flat.numel(), chunk):
-            part = flat[start : start + chunk]
+        y = x if x.is_contiguous() else x.contiguous()
+        pointer, numel, itemsize = y.data_ptr(), y.numel(), y.element_size()
+        chunk = self._open().slot_bytes // itemsize
+        for start in range(0, numel, chunk):
             self._seq += 1
-            args = (part.data_ptr(), part.numel(), _DTYPES[x.dtype])
+            count = min(chunk, numel - start)
+            args = (pointer + start * itemsize, count, _DTYPES[x.dtype])
             self._call("all_reduce", self._all_reduce, *args)
-        if flat.data_ptr() != x.data_ptr():
-            x.copy_(flat.view(x.shape))
+        if y is not x:
+            x.copy_(y)
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -164,7 +167,7 @@ class ShmAllReduce:
         """Close the group (every rank still waiting in a collective raises at once) and unmap."""
         if self._segment is None:
             return
-        self._close(ctypes.byref(self._group), -1)
+        self._close(self._group_ref, -1)
         self._segment.close()
         self._segment = None
 
@@ -177,12 +180,12 @@ class ShmAllReduce:
         """``function(group, seq, *args, who)``; a RuntimeError naming the missing rank (and
         the group closed) unless it succeeded."""
         self._open()
-        status = function(ctypes.byref(self._group), self._seq, *args, ctypes.byref(self._who))
+        status = function(self._group_ref, self._seq, *args, self._who_ref)
         if status == _OK:
             return
         who = self._who.value
         if status == _TIMEOUT:
-            self._close(ctypes.byref(self._group), who)
+            self._close(self._group_ref, who)
             problem = f"rank {who} did not arrive within {self.timeout_s:g} s"
         else:
             closed = int(self._open().header[CLOSED_WORD])

@@ -51,9 +51,9 @@ def left_behind(directory: Path) -> set[str]:
     return {p.name for p in directory.iterdir() if not p.name.startswith(("ready-", "result-"))}
 
 
-def check_cases(results: list[dict], path: str = "shm") -> None:
+def check_cases(results: list[dict]) -> None:
+    """Every rank got the exact results, the same bits as every other rank."""
     for rank, result in enumerate(results):
-        assert result["shm"] is (path == "shm")
         assert result["errors"] == [], f"rank {rank} got other sums than the rank-order sum"
     assert len({result["digest"] for result in results}) == 1, "the ranks got other bits"
 
@@ -64,6 +64,7 @@ def test_random_cases_equal_the_rank_order_sum_on_every_rank(tmp_path: Path, wor
     of them column-major: the exact rank-order sum (fp32, rounded once), the same bits on every
     rank; each rank's gathered tensor exactly on rank 0."""
     results = run_group(tmp_path, world, "cases", "--seed", str(world), "--slot", str(SLOT))
+    assert all(result["shm"] for result in results)
     check_cases(results)
 
 
@@ -82,17 +83,14 @@ def test_hundreds_of_back_to_back_calls_with_skewed_ranks(tmp_path: Path, world:
 
 
 def test_gloo_fallback_gives_the_same_results(tmp_path: Path):
-    """Integer-valued inputs (exact in any order of addition): gloo and shared memory agree
-    bit for bit. (On other inputs gloo's ring adds in its own order: the same bits on every
-    rank, but not the rank-order sum.)"""
-    args = ("cases", "--seed", "5", "--slot", str(SLOT), "--integers")
-    (tmp_path / "shm").mkdir()
-    (tmp_path / "gloo").mkdir()
-    shm = run_group(tmp_path / "shm", 3, *args)
-    gloo = run_group(tmp_path / "gloo", 3, *args[:-3], "--slot", "gloo", "--integers")
-    check_cases(shm)
-    check_cases(gloo, path="gloo")
-    assert shm[0]["digest"] == gloo[0]["digest"]
+    """The same cases through shared memory, then through the group's gloo, on integer-valued
+    inputs (exact in any order of addition): the same bits. (On other inputs gloo's ring adds
+    in its own order: the same bits on every rank, but not the rank-order sum.)"""
+    args = ("--seed", "5", "--slot", str(SLOT), "--integers", "--cases", "60", "--also-gloo")
+    results = run_group(tmp_path, 3, "cases", *args)
+    check_cases(results)
+    check_cases([result["gloo"] for result in results])
+    assert results[0]["gloo"]["digest"] == results[0]["digest"]
 
 
 def test_segment_leaves_nothing_behind(tmp_path: Path):
@@ -110,10 +108,10 @@ def test_segment_leaves_nothing_behind(tmp_path: Path):
 @pytest.mark.parametrize("killed", [0, 2])
 def test_a_killed_rank_makes_the_others_raise_within_the_timeout(tmp_path: Path, killed: int):
     """Rank ``killed`` SIGKILLs itself before its 51st all-reduce: every other rank's 51st
-    raises a RuntimeError naming it within the timeout (2 s), and the next call at once; the
+    raises a RuntimeError naming it within the timeout (3 s), and the next call at once; the
     killed rank leaves no file behind."""
     start = time.monotonic()
-    args = ("kill", "--kill-rank", str(killed), "--timeout", "2")
+    args = ("kill", "--kill-rank", str(killed), "--timeout", "3")
     results = run_group(tmp_path, 3, *args)
     assert results[killed] is None
     for rank, result in enumerate(results):
@@ -121,8 +119,8 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout(tmp_path: Path,
             continue
         assert result["shm"]
         assert result["raised_at"] == KILL_AT
-        assert f"rank {killed} did not arrive within 2 s" in result["raised"]
-        assert result["wait_s"] < 2 + 1.5
+        assert f"rank {killed} did not arrive within 3 s" in result["raised"]
+        assert result["wait_s"] < 3 + 1.5
         assert result["again_s"] < 0.5 and "closed" in result["raised_again"]
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 40
     assert left_behind(tmp_path) <= {"store"}

@@ -5,7 +5,7 @@ Every rank draws the same cases from the shared seed and can make any rank's inp
 case and rank), so each checks its own results against the rank-order sum exactly; the digest of
 all its results lets the test check that every rank got the same bits.
 
-    python tests/distributed/tp_rank.py DIR RANK WORLD SCENARIO [--seed N] [--slot BYTES|gloo]
+    python tests/distributed/tp_rank.py DIR RANK WORLD SCENARIO [--seed N] [--slot BYTES|gloo] ...
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def run_case(
     return b"".join(as_bytes(g).numpy().tobytes() for g in gathered), ok
 
 
-def scenario_cases(group: TPGroup, args: argparse.Namespace, result: dict) -> None:
+def scenario_cases(group: TPGroup, args: argparse.Namespace) -> dict:
+    """The digest of this rank's all-reduce results and the cases it got wrong."""
     rng = random.Random(args.seed)
     digest = hashlib.sha256()
+    errors = []
     for case in range(args.cases):
         op, shape, dtype = draw_case(rng, args.max_bytes)
         if args.skew and random.Random(case * 7 + group.rank).random() < 0.2:
@@ -102,8 +104,8 @@ def scenario_cases(group: TPGroup, args: argparse.Namespace, result: dict) -> No
         if op == "all_reduce":
             digest.update(data)
         if not ok:
-            result["errors"].append(f"case {case}: {op} {shape} {dtype}")
-    result["digest"] = digest.hexdigest()
+            errors.append(f"case {case}: {op} {shape} {dtype}")
+    return {"digest": digest.hexdigest(), "errors": errors}
 
 
 def scenario_kill(group: TPGroup, args: argparse.Namespace, result: dict) -> None:
@@ -163,15 +165,18 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=200 << 10)
     parser.add_argument("--integers", action="store_true")
     parser.add_argument("--skew", action="store_true")
+    parser.add_argument("--also-gloo", action="store_true")
     parser.add_argument("--kill-rank", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     group = meet(args)
-    result: dict = {"shm": group.shm is not None, "segment_fds": segment_fds(), "errors": []}
+    result: dict = {"shm": group.shm is not None, "segment_fds": segment_fds()}
     with open("/proc/self/maps") as maps:
         result["mapped"] = "pagedkv-tp" in maps.read()
     if args.scenario == "cases":
-        scenario_cases(group, args, result)
+        result.update(scenario_cases(group, args))
+        if args.also_gloo:  # the same cases again, through the same group's gloo
+            result["gloo"] = scenario_cases(TPGroup(group.rank, group.world_size, group.pg), args)
     else:
         scenario_kill(group, args, result)
     group.close()
