@@ -121,6 +121,9 @@ class AsyncLLM:
         publisher = self.llm_engine.kv_event_publisher
         if publisher is not None:  # an idle engine answers a snapshot request at once
             publisher.wake_engine = lambda: self._commands.put(self.llm_engine.publish_kv_events)
+        #: Set once the engine thread has ended because it failed (not by ``shutdown``).
+        self.failed = threading.Event()
+        self.llm_engine.executor.on_rank_death(self._rank_died)
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self._thread.start()
 
@@ -191,14 +194,27 @@ class AsyncLLM:
         except Exception as e:
             logger.exception("engine thread failed")
             dead: BaseException = e
+            failed = True
         else:
             dead = EngineDeadError("the engine was shut down")
+            failed = False
         with self._lock:  # no command can arrive after this
             self._dead = dead
         for stream in self._streams.values():
             stream.put(EngineDeadError(f"the engine stopped: {dead}"))
         self._streams.clear()
         self._run_commands(block=False)  # late arrivals: _enqueue refuses them now
+        if failed:
+            self.failed.set()
+
+    def _rank_died(self, why: str) -> None:
+        """A tensor-parallel rank died (the executor's monitor thread): end the engine thread,
+        even an idle one, so in-flight requests fail and ``is_running`` turns false now."""
+
+        def fail() -> None:
+            raise EngineDeadError(why)
+
+        self._commands.put(fail)
 
     def _run_commands(self, block: bool) -> None:
         """Run queued commands until the queue is empty (waiting for the first if ``block``)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from pagedkv.arg_types import positive_int
 from pagedkv.worker.config import WorkerConfig
-from pagedkv.worker.cpu_cores import check_cpu_list
+from pagedkv.worker.cpu_cores import check_cpu_list, rank_cpu_cores
 
 DEFAULT_MODEL_PATH = Path(__file__).parents[1] / "assets" / "default_model"
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
@@ -136,9 +136,20 @@ _FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             metavar="LIST",
             help="run this instance's threads on these cores only, as taskset writes them "
             "(e.g. 0-3,6), with one torch thread per core; give instances on one host "
-            "disjoint lists. Overrides $VLLM_CPU_OMP_THREADS_BIND (vLLM's: a list, all or auto "
-            "= no binding). An instance warns when another pagedkv instance on this host may "
-            "run on its cores",
+            "disjoint lists. With --tensor-parallel-size N: one list per rank (0-3|4-7), or "
+            "one list cut into N equal runs (by default this process's cores are). Overrides "
+            "$VLLM_CPU_OMP_THREADS_BIND (vLLM's: a list, all or auto = no binding). An "
+            "instance warns when another pagedkv instance on this host may run on its cores",
+        ),
+    ),
+    (
+        "--tensor-parallel-size",
+        dict(
+            type=positive_int,
+            short="-tp",
+            help="shard the model across this many ranks (worker processes, rank 0 in the "
+            "engine's), Megatron style: attention heads, KV heads and MLP features split, "
+            "the vocabulary too; each rank on its own cores (--cpu-cores)",
         ),
     ),
     (
@@ -206,8 +217,10 @@ class EngineArgs:
     kv_offloading_backend: str = "native"
     generation_config: str = "auto"
     kv_events_config: dict | None = field(default=None)
-    #: ``--cpu-cores``: a core list such as ``"0-3,6"`` (None: ``VLLM_CPU_OMP_THREADS_BIND``).
+    #: ``--cpu-cores``: a core list such as ``"0-3,6"`` (None: ``VLLM_CPU_OMP_THREADS_BIND``);
+    #: with several ranks, one per rank (``"0-3|4-7"``) or one to cut (``rank_cpu_cores``).
     cpu_cores: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         """Range checks that need no model (those that do run when the engine loads it)."""
@@ -217,7 +230,12 @@ class EngineArgs:
 
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 fail(name, "must be an integer >= 1")
@@ -251,7 +269,10 @@ class EngineArgs:
             if not isinstance(self.cpu_cores, str):
                 fail("cpu_cores", "must be a core list like 0-3,6 (a string)")
             try:
-                check_cpu_list(self.cpu_cores)
+                for part in (
+                    self.cpu_cores.split("|") if self.tensor_parallel_size > 1 else [self.cpu_cores]
+                ):
+                    check_cpu_list(part)
             except ValueError as e:
                 fail("cpu_cores", f"must be a core list like 0-3,6 ({e})")
 
@@ -299,12 +320,20 @@ class EngineArgs:
             g.add_argument("--model", default=None, help=help_model)
         defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
         for flag, kwargs in _FLAGS:
-            g.add_argument(flag, default=defaults[flag[2:].replace("-", "_")], **kwargs)
+            kwargs = dict(kwargs)
+            names = [kwargs.pop("short"), flag] if "short" in kwargs else [flag]
+            g.add_argument(*names, default=defaults[flag[2:].replace("-", "_")], **kwargs)
 
     def create_worker_config(self) -> WorkerConfig:
         """What the model runner reads: the fields of ``WorkerConfig``, named as here."""
         names = {f.name for f in dataclasses.fields(WorkerConfig)} - {"model_path"}
         return WorkerConfig(self.model_path, **{name: getattr(self, name) for name in names})
+
+    def create_worker_configs(self) -> list[WorkerConfig]:
+        """Each tensor-parallel rank's: the same but for its own cores (``rank_cpu_cores``)."""
+        config = self.create_worker_config()
+        cores = rank_cpu_cores(self.cpu_cores, self.tensor_parallel_size)
+        return [dataclasses.replace(config, cpu_cores=rank_cores) for rank_cores in cores]
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

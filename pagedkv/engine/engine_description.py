@@ -3,6 +3,7 @@ registers it with proxies; nothing above the engine reads the engine's parts for
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -23,23 +24,32 @@ class ModelIdentity:
 
     @classmethod
     def of(
-        cls, model_path: Path, dtype: str, kv_cache_config: KVCacheConfig, block_size: int
+        cls,
+        model_path: Path,
+        dtype: str,
+        kv_cache_config: KVCacheConfig,
+        block_size: int,
+        num_kv_heads: int,
     ) -> ModelIdentity:
+        """``num_kv_heads``: the checkpoint's. A tensor-parallel rank's specs hold its own
+        heads only; the identity names the whole model's, so instances of every TP size share
+        it (one may load what another computed)."""
         config = json.loads((model_path / "config.json").read_text())
         groups = kv_cache_config.kv_cache_groups
+        specs = [dataclasses.replace(g.kv_cache_spec, num_kv_heads=num_kv_heads) for g in groups]
         identity = json.dumps(
             [
                 config,
                 f"torch.{dtype}",
-                repr([(g.kv_cache_spec, len(g.layer_names)) for g in groups]),
+                repr([(spec, len(g.layer_names)) for spec, g in zip(specs, groups)]),
             ],
             sort_keys=True,
             default=str,
         )
         layout = "; ".join(
-            f"{type(g.kv_cache_spec).__name__} x{len(g.layer_names)} "
-            f"({g.kv_cache_spec.num_kv_heads} KV heads x {g.kv_cache_spec.head_size})"
-            for g in groups
+            f"{type(spec).__name__} x{len(g.layer_names)} "
+            f"({num_kv_heads} KV heads x {spec.head_size})"
+            for spec, g in zip(specs, groups)
         )
         return cls(
             hashlib.sha256(identity.encode()).hexdigest()[:32],

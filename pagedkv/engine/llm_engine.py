@@ -23,6 +23,7 @@ from pagedkv.engine.request_input import PromptType, RequestInput
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.engine.structured_output_manager import StructuredOutputManager
+from pagedkv.executor.factory import create_executor
 from pagedkv.kv_cache.block_hash import BlockHasher
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
@@ -31,11 +32,10 @@ from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
-from pagedkv.kv_transfer.factory import create_connector
+from pagedkv.kv_transfer.factory import create_scheduler_connector
 from pagedkv.model.tokenizer import load_hf_tokenizer
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.utils import cdiv
-from pagedkv.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ class LLMEngine:
         self.args = args
         model_path = args.model_path
         self.tokenizer = load_tokenizer(args.tokenizer or model_path)
-        self.model_runner = ModelRunner(args.create_worker_config())
+        self.executor = create_executor(args.create_worker_configs())
+        #: Rank 0's runner (in this process): the model's facts; every rank runs through
+        #: ``executor``.
+        self.model_runner = self.executor.runner
         self.vocab_size = self.model_runner.model_config.vocab_size
         self.max_model_len = self.model_runner.max_model_len
         generation_defaults = self.model_runner.generation_defaults
@@ -94,7 +97,13 @@ class LLMEngine:
         #: Publishes what the prefix cache stores and evicts (``--kv-events-config``).
         self.kv_event_publisher = KVEventPublisher(self.kv_events_config) if publishes else None
         dtype = str(self.model_runner.dtype).removeprefix("torch.")
-        identity = ModelIdentity.of(model_path, dtype, self.kv_cache_config, args.block_size)
+        identity = ModelIdentity.of(
+            model_path,
+            dtype,
+            self.kv_cache_config,
+            args.block_size,
+            self.model_runner.model_config.num_key_value_heads,
+        )
         connector = self._init_kv_connector(identity.fingerprint)
         self.description = self._describe(identity, connector)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, connector)
@@ -166,8 +175,7 @@ class LLMEngine:
             if args.enable_prefix_caching
             else None
         )
-        self.model_runner.initialize_kv_cache(self.kv_cache_config)
-        self.model_runner.warm_up()
+        self.executor.initialize_kv_cache(self.kv_cache_config)
 
     def _init_kv_connector(self, model_fingerprint: str) -> KVConnectorBase | None:
         """The KV connector's scheduler half (``--kv-transfer-config``, ``--kv-offloading-size``
@@ -178,10 +186,16 @@ class LLMEngine:
         if config is None:
             return None
         self.kv_transfer_config = KVTransferConfig.from_dict(config)
-        connector, connector_worker = create_connector(
+        connector = create_scheduler_connector(
             self.kv_transfer_config, self.kv_cache_config, model_fingerprint
         )
-        self.model_runner.set_kv_connector(connector_worker)
+        try:
+            self.executor.attach_kv_connector(
+                self.kv_transfer_config, model_fingerprint, connector.combine_worker_meta
+            )
+        except BaseException:
+            connector.shutdown()
+            raise
         return connector
 
     def _kv_cache_budget(self, layer_specs) -> int:
@@ -329,7 +343,7 @@ class LLMEngine:
         if self.structured_outputs.in_use:
             scheduled = {r: scheduler.requests[r] for r in scheduler_output.num_scheduled_tokens}
             grammar_bitmask = self.structured_outputs.grammar_bitmask(list(scheduled.values()))
-        runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+        runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         core_outputs = scheduler.update_from_output(scheduler_output, runner_output)
         completed = self.structured_outputs.accept_tokens(core_outputs, scheduled)
         for core in core_outputs:  # a complete grammar ends its request, as a stop string does
@@ -387,11 +401,12 @@ class LLMEngine:
         return stats
 
     def shutdown(self) -> None:
-        """Stop the KV connector's and the KV event publisher's threads and sockets
-        (idempotent)."""
+        """Stop the KV connector's and the KV event publisher's threads and sockets, then
+        every tensor-parallel rank (idempotent)."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
         if self.model_runner.kv_connector is not None:
             self.model_runner.kv_connector.shutdown()
+        self.executor.shutdown()

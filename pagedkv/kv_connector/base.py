@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.config import KVTransferConfig
@@ -121,6 +121,12 @@ class KVConnectorBase(KVConnectorHalf, ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The workers' report of this step."""
         return None
+
+    def combine_worker_meta(self, metas: list[Any]) -> Any:
+        """One ``worker_meta`` of the tensor-parallel ranks' (rank order; None where a rank
+        reported none). A connector whose worker half reports ``worker_meta`` says how they
+        combine; by default every rank reports the same, and rank 0's stands."""
+        return metas[0]
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: tuple[list[int], ...]

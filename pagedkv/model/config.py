@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pagedkv.distributed.shard import kv_head_shard
 from pagedkv.model.hf_config import read_hf_config
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -133,8 +134,10 @@ class ModelConfig:
     ) -> ModelConfig:
         return cls.from_hf_config(read_hf_config(model_path), dtype)
 
-    def kv_cache_layer_specs(self) -> list[KVCacheLayerSpec]:
+    def kv_cache_layer_specs(self, tp_size: int = 1) -> list[KVCacheLayerSpec]:
+        """Each layer's cache on one of ``tp_size`` ranks: its KV heads (``kv_head_shard``; as
+        many on every rank)."""
+        num_kv_heads = kv_head_shard(self.num_key_value_heads, 0, tp_size).size
         return [
-            KVCacheLayerSpec(self.num_key_value_heads, self.head_dim, window)
-            for window in self.sliding_windows
+            KVCacheLayerSpec(num_kv_heads, self.head_dim, window) for window in self.sliding_windows
         ]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 
-from torch import nn
-
 from pagedkv.model.cpu_decode_layer import attach as attach_decode_layer
 from pagedkv.model.cpu_gemv import attach as attach_gemv
 from pagedkv.model.cpu_gemv import load_cpu_gemv
@@ -20,16 +18,21 @@ from pagedkv.model.cpu_layer_ops import attach as attach_layer_ops
 from pagedkv.model.cpu_layer_ops import load_cpu_layer_ops
 from pagedkv.model.cpu_onednn import attach as attach_onednn
 from pagedkv.model.linear import Linear
+from pagedkv.model.llama import LlamaForCausalLM
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.tuning import KernelChoices
 
 logger = logging.getLogger(__name__)
 
 
-def attach_cpu_kernels(model: nn.Module, compiled: bool, retune: bool) -> None:
+def attach_cpu_kernels(model: LlamaForCausalLM, compiled: bool, retune: bool) -> None:
     """Make ``model`` (fp32 on CPU, weights loaded) ready: with ``compiled``, the compiled ops,
     GEMV, one-call decode layers and oneDNN's packed weights; in any case the LM head's layouts.
-    ``retune``: time every choice again (``--retune-kernels``)."""
+    ``retune``: time every choice again (``--retune-kernels``).
+
+    A tensor-parallel shard gets every kernel but the one-call decode layer: that runs a whole
+    layer in one C call and cannot all-reduce after its o_proj and down_proj. The other kernels
+    and the choices work on the shard's shapes (the choices are keyed by shape)."""
     choices = KernelChoices.for_this_machine(retune)
     heads = [m for m in model.modules() if isinstance(m, LMHead)]
     for head in heads:
@@ -43,7 +46,8 @@ def attach_cpu_kernels(model: nn.Module, compiled: bool, retune: bool) -> None:
             attach_gemv(model, gemv)
             for head in heads:
                 head.choose_gemv_layout(choices)
-        attach_decode_layer(model)
+        if model.tp.world_size == 1:
+            attach_decode_layer(model)
         attach_onednn(model, choices)
     for head in heads:
         head.release_unused_copy()

@@ -3,44 +3,92 @@
 q/k/v and gate/up projections are fused into one Linear each at load time: the checkpoint's
 separate tensors are copied, transposed, into column ranges of the fused weight
 (``load_weights``). With tied embeddings the LM head is a transposed copy of the embedding.
+
+Tensor parallel: each rank builds its shard (``tensor_parallel.ModelShards``) and the loader
+copies its part of each checkpoint tensor; o_proj and down_proj are followed by one all-reduce
+each, the embedding by one more. Every rank then holds the same residual stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
 from pagedkv.attention import ForwardContext
+from pagedkv.distributed.shard import Shard
+from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup
 from pagedkv.model.activation import SiluAndMul
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.linear import Linear
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from pagedkv.model.vocab_embedding import VocabEmbedding
+from pagedkv.model.tensor_parallel import ModelShards
+from pagedkv.model.vocab_embedding import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
     from pagedkv.model.cpu_layer_ops import CpuLayerOps
 
 
+class CheckpointSlice(NamedTuple):
+    """Where a checkpoint tensor goes: outputs ``[start, start + num_outputs)`` of parameter
+    ``param`` (``num_outputs`` None: all of them), from rows ``shard`` of the ``total`` along
+    the tensor's dimension ``dim`` (the checkpoint's layout, ``[out, in]``; ``shard`` None: the
+    whole tensor)."""
+
+    param: str
+    start: int = 0
+    num_outputs: int | None = None
+    dim: int = 0
+    shard: Shard | None = None
+    total: int = 0
+
+    def narrow(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (a view); ValueError when the tensor
+        does not have ``total`` rows to take it from."""
+        shard = self.shard
+        if shard is None:
+            return tensor
+        if tensor.dim() <= self.dim or tensor.shape[self.dim] != self.total:
+            expected = [*tensor.shape[: self.dim], self.total, *tensor.shape[self.dim + 1 :]]
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+            )
+        return tensor.narrow(self.dim, shard.start, shard.size)
+
+
+class _LayerArgs(NamedTuple):
+    """What every decoder layer is built from: the config, the biases the architecture has,
+    and this rank's shard of the layer (``tp``: the group its row-parallel sums run over)."""
+
+    config: ModelConfig
+    qkv_bias: bool
+    o_proj_bias: bool
+    shards: ModelShards
+    tp: TPGroup
+
+
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_proj_bias: bool
-    ) -> None:
+    """This rank's query and KV heads: qkv_proj column-parallel, o_proj row-parallel (its bias
+    on rank 0 only) followed by the all-reduce."""
+
+    def __init__(self, args: _LayerArgs, layer_idx: int) -> None:
         super().__init__()
+        config, tp = args.config, args.tp
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = args.shards.q_heads.size
+        self.num_kv_heads = args.shards.kv_heads.size
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, args.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, args.o_proj_bias and tp.is_first)
         #: The compiled fp32 CPU ops (``cpu_layer_ops.attach``): RoPE and the cache write in one
         #: call; None: torch ops and the backend's ``reshape_and_cache``.
         self.cpu_ops: CpuLayerOps | None = None
@@ -75,32 +123,37 @@ class LlamaAttention(nn.Module):
         if connector is not None:
             connector.save_kv_layer(self.layer_idx, kv_cache, metadata)
         out = ctx.backend.forward(query, kv_cache, metadata, self.scaling)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's intermediate features: gate_up_proj column-parallel, down_proj row-parallel
+    (its bias on rank 0 only) followed by the all-reduce."""
+
+    def __init__(self, args: _LayerArgs) -> None:
         super().__init__()
-        size = config.intermediate_size
+        config, tp = args.config, args.tp
+        size = args.shards.intermediate.size
+        self.tp = tp
         self.gate_up_proj = Linear(config.hidden_size, 2 * size, config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, config.mlp_bias and tp.is_first)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_proj_bias: bool
-    ) -> None:
+    def __init__(self, args: _LayerArgs, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, o_proj_bias)
-        self.mlp = LlamaMLP(config)
+        config = args.config
+        self.self_attn = LlamaAttention(args, layer_idx)
+        self.mlp = LlamaMLP(args)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         #: The whole layer for a step's one decoding token in one compiled call
-        #: (``cpu_decode_layer.attach``); None: module by module.
+        #: (``cpu_decode_layer.attach``; never with several ranks: it cannot all-reduce in the
+        #: middle of the layer); None: module by module.
         self.cpu_decode: CpuDecodeLayer | None = None
 
     def forward(
@@ -131,12 +184,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, qkv_bias: bool, o_proj_bias: bool) -> None:
+    def __init__(self, args: _LayerArgs) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        config = args.config
+        self.embed_tokens = VocabParallelEmbedding(args.shards.vocab, config.hidden_size, args.tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_proj_bias)
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(args, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
@@ -155,14 +208,20 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Also serves ``MistralForCausalLM``: same weights, and the per-layer sliding windows come
-    from the config (``ModelConfig.sliding_windows``)."""
+    from the config (``ModelConfig.sliding_windows``).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``tp``: the model is rank ``tp.rank``'s shard (``ModelShards``); ValueError when
+    ``tp.world_size`` cannot share the heads or the intermediate features."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.shards = ModelShards.of(config, tp.rank, tp.world_size)
         qkv_bias, o_proj_bias = self.attention_biases(config)
-        self.model = LlamaModel(config, qkv_bias, o_proj_bias)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.model = LlamaModel(_LayerArgs(config, qkv_bias, o_proj_bias, self.shards, tp))
+        #: This rank's vocabulary rows (vLLM's ``ParallelLMHead``; ``parallel_logits``).
+        self.lm_head = LMHead(config.hidden_size, self.shards.vocab.size)
 
     @staticmethod
     def attention_biases(config: ModelConfig) -> tuple[bool, bool]:
@@ -176,31 +235,45 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[num_rows, vocab_size]`` for the rows the caller selected."""
+        """fp32 logits ``[num_rows, self.shards.vocab.size]`` for the rows the caller selected:
+        this rank's columns of the vocabulary (all of it with one rank)."""
         return self.lm_head(hidden_states).float()
 
-    def _checkpoint_target(self, name: str) -> tuple[str, int, int | None]:
-        """Where checkpoint tensor ``name`` goes: ``(parameter, first output, num outputs)``;
-        ``num outputs`` is None when the tensor fills the whole parameter."""
-        q_size = self.config.num_attention_heads * self.config.head_dim
-        kv_size = self.config.num_key_value_heads * self.config.head_dim
-        inter = self.config.intermediate_size
-        fused_shards = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q_size, kv_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+    def _checkpoint_target(self, name: str) -> CheckpointSlice | None:
+        """Where checkpoint tensor ``name`` goes on this rank; None: on another rank only (the
+        bias of a row-parallel projection, which rank 0 adds)."""
+        config, shards, head_dim = self.config, self.shards, self.config.head_dim
+        q = Shard(shards.q_heads.start * head_dim, shards.q_heads.size * head_dim)
+        kv = Shard(shards.kv_heads.start * head_dim, shards.kv_heads.size * head_dim)
+        q_total = config.num_attention_heads * head_dim
+        kv_total = config.num_key_value_heads * head_dim
+        inter, inter_total = shards.intermediate, config.intermediate_size
+        column_parallel = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q, q_total),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q.size, kv, kv_total),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q.size + kv.size, kv, kv_total),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter, inter_total),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter.size, inter, inter_total),
         }
+        row_parallel = {"self_attn.o_proj": (q, q_total), "mlp.down_proj": (inter, inter_total)}
         parts = name.split(".")
-        shard = fused_shards.get(".".join(parts[-3:-1]))
-        if shard is None:
-            return name, 0, None
-        fused_name, start, num_outputs = shard
-        return ".".join([*parts[:-3], fused_name, parts[-1]]), start, num_outputs
+        module, kind = ".".join(parts[-3:-1]), parts[-1]
+        if module in column_parallel:
+            fused_name, start, shard, total = column_parallel[module]
+            fused = ".".join([*parts[:-3], fused_name, kind])
+            return CheckpointSlice(fused, start, shard.size, shard=shard, total=total)
+        if module in row_parallel:
+            if kind == "bias":
+                return CheckpointSlice(name) if self.tp.is_first else None
+            shard, total = row_parallel[module]
+            return CheckpointSlice(name, dim=1, shard=shard, total=total)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return CheckpointSlice(name, shard=shards.vocab, total=config.vocab_size)
+        return CheckpointSlice(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the preallocated parameters.
+        """Copy checkpoint tensors (Hugging Face names), each narrowed to this rank's part, into
+        the preallocated parameters.
 
         Raises ValueError on an unexpected name or shape, or when a parameter is left (partly)
         unloaded.
@@ -217,23 +290,25 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
-            target, start, num_outputs = self._checkpoint_target(name)
-            param = params.get(target)
+            target = self._checkpoint_target(name)
+            if target is None:
+                continue
+            param = params.get(target.param)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            output_dim = output_dims[target]
-            if num_outputs is None:
-                num_outputs = param.shape[output_dim]
-            destination = param.narrow(output_dim, start, num_outputs)
+            output_dim = output_dims[target.param]
+            num_outputs = target.num_outputs or param.shape[output_dim]
+            destination = param.narrow(output_dim, target.start, num_outputs)
             if output_dim == 1:
                 destination = destination.t()
+            tensor = target.narrow(name, tensor)
             if destination.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(destination.shape)}"
+                    f"expected {tuple(destination.shape)} on this rank"
                 )
             destination.copy_(tensor)
-            outputs_loaded[target] += num_outputs
+            outputs_loaded[target.param] += num_outputs
         if tied:
             params["lm_head.weight"].copy_(params["model.embed_tokens.weight"].t())
             outputs_loaded["lm_head.weight"] = outputs_loaded["model.embed_tokens.weight"]

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup
 from pagedkv.model.config import ModelConfig
 from pagedkv.model.hf_config import read_hf_config
 from pagedkv.model.llama import LlamaForCausalLM
@@ -49,10 +50,14 @@ def load_model(
     model_path: str | os.PathLike[str],
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    tp: TPGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
-    """Load the model in ``model_path`` (a local directory), in eval mode without gradients.
+    """Load the model in ``model_path`` (a local directory), in eval mode without gradients:
+    rank ``tp.rank``'s shard of it (``tensor_parallel.ModelShards``), each checkpoint tensor
+    narrowed to that rank's part as it is copied.
 
-    ``dtype`` defaults to the checkpoint's ``dtype`` (fp32 when it names none).
+    ``dtype`` defaults to the checkpoint's ``dtype`` (fp32 when it names none). ValueError when
+    ``tp.world_size`` cannot share the model's heads or intermediate features.
     """
     model_dir = Path(model_path)
     if not model_dir.is_dir():
@@ -61,7 +66,7 @@ def load_model(
     model_cls = get_model_class(getattr(hf_config, "architectures", None) or [])
     config = ModelConfig.from_hf_config(hf_config, dtype)
     with torch.device("meta"):
-        model = model_cls(config)
+        model = model_cls(config, tp)
     _materialize_parameters(model, config.dtype, torch.device(device))
     model.load_weights(iterate_weights(model_dir))
     return model.to(device).eval()

@@ -1,8 +1,9 @@
 """Other pagedkv instances on this host whose cores overlap ours, found through ``/proc``.
 
 An instance is a process whose command line runs an engine command (``pagedkv serve``,
-``pagedkv generate``, ``pagedkv bench throughput``, also as ``python -m pagedkv ...``): the
-proxy and ``bench serve`` (clients) are not instances. Our own process tree (ancestors and
+``pagedkv generate``, ``pagedkv bench throughput``, also as ``python -m pagedkv ...``), or a
+tensor-parallel worker rank of one (``python -m pagedkv.executor.worker_proc``): the proxy and
+``bench serve`` (clients) are not instances. Our own process tree (ancestors and
 descendants) is not another instance. The scan reads each process's ``cmdline`` once and never
 fails: a process that ends or hides itself mid-scan is skipped.
 """
@@ -14,8 +15,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+#: A tensor-parallel worker rank's module, read as the command ``WORKER_RANK``.
+WORKER_RANK_MODULE = "pagedkv.executor.worker_proc"
+WORKER_RANK = "worker-rank"
 #: The command words that start an engine (after ``pagedkv`` or ``python -m pagedkv``).
-ENGINE_COMMANDS: tuple[tuple[str, ...], ...] = (("serve",), ("generate",), ("bench", "throughput"))
+ENGINE_COMMANDS: tuple[tuple[str, ...], ...] = (
+    ("serve",),
+    ("generate",),
+    ("bench", "throughput"),
+    (WORKER_RANK,),
+)
 #: Python options that take a value as the next word (``python -X dev -m pagedkv serve``).
 _PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "-Q")
 #: How far up a parent chain is followed (a chain is a few processes deep).
@@ -44,6 +53,8 @@ def pagedkv_arguments(argv: Sequence[str]) -> list[str] | None:
         word = argv[i]
         if word == "-m" or (word.startswith("-m") and len(word) > 2):
             module, rest = (argv[i + 1 : i + 2], i + 2) if word == "-m" else ([word[2:]], i + 1)
+            if module == [WORKER_RANK_MODULE]:
+                return [WORKER_RANK, *argv[rest:]]
             return list(argv[rest:]) if module == ["pagedkv"] else None
         if word == "-c" or word == "-":
             return None

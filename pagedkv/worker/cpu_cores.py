@@ -101,10 +101,54 @@ def requested_cores(cpu_cores: str | None, environ: Mapping[str, str] = os.envir
         return CoreRequest(None, OMP_THREADS_BIND_ENV if text else "")
     if "|" in text:
         raise ValueError(
-            f"{OMP_THREADS_BIND_ENV}={text!r}: one core list per tensor-parallel rank ('|') is "
-            "not supported (an instance runs one rank); give one list, e.g. 0-3"
+            f"{OMP_THREADS_BIND_ENV}={text!r}: one core list per tensor-parallel rank ('|') "
+            "needs --tensor-parallel-size > 1 (this instance runs one rank); give one list, "
+            "e.g. 0-3"
         )
     try:
         return CoreRequest(check_cpu_list(text), OMP_THREADS_BIND_ENV)
     except ValueError as e:
         raise ValueError(f"{OMP_THREADS_BIND_ENV}={text!r}: {e}") from None
+
+
+def rank_cpu_cores(
+    cpu_cores: str | None, tp_size: int, environ: Mapping[str, str] = os.environ
+) -> list[str | None]:
+    """Each tensor-parallel rank's ``--cpu-cores`` (its ``WorkerConfig.cpu_cores``), disjoint:
+
+    - one list per rank, ``|``-separated (``0-3|4-7``, vLLM's form), from ``--cpu-cores`` or
+      ``VLLM_CPU_OMP_THREADS_BIND``: exactly ``tp_size`` lists, no core in two;
+    - one list: cut into ``tp_size`` equal runs (the cores left over stay unused);
+    - nothing asked (or ``all`` / ``auto``): this process's cores cut the same way, so ranks
+      never share a core; unpinned when there are fewer cores than ranks.
+
+    With one rank, ``cpu_cores`` as given (``requested_cores`` reads it and the variable).
+    ValueError, naming the source, for lists that do not fit."""
+    if tp_size == 1:
+        return [cpu_cores]
+    source = "--cpu-cores" if cpu_cores is not None else OMP_THREADS_BIND_ENV
+    text = cpu_cores if cpu_cores is not None else environ.get(OMP_THREADS_BIND_ENV, "").strip()
+    if text in ("", *_UNBOUND_WORDS):
+        cores = sorted(allowed_cores())
+        if len(cores) < tp_size:
+            return [None] * tp_size
+        return [format_cpu_list(part) for part in _equal_runs(cores, tp_size)]
+    try:
+        if "|" in text:
+            lists = [check_cpu_list(part) for part in text.split("|")]
+            if len(lists) != tp_size:
+                raise ValueError(f"{len(lists)} lists for {tp_size} tensor-parallel ranks")
+            if sum(map(len, lists)) != len(set().union(*lists)):
+                raise ValueError("a core is in two ranks' lists")
+            return [format_cpu_list(cores) for cores in lists]
+        cores = list(check_cpu_list(text))
+        if len(cores) < tp_size:
+            raise ValueError(f"{len(cores)} core(s) for {tp_size} tensor-parallel ranks")
+        return [format_cpu_list(part) for part in _equal_runs(cores, tp_size)]
+    except ValueError as e:
+        raise ValueError(f"{source} {text!r}: {e}") from None
+
+
+def _equal_runs(cores: list[int], parts: int) -> list[list[int]]:
+    size = len(cores) // parts
+    return [cores[i * size : (i + 1) * size] for i in range(parts)]

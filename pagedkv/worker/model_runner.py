@@ -3,6 +3,11 @@
 Per step, everything is built on the host with numpy from the persistent InputBatch and handed
 to torch once: flat token ids and positions, and per KV cache group the block table rows and the
 slot mapping. Prefill and decode return the same result type.
+
+Tensor parallel: each rank has a ModelRunner over its shard of the model (``tp``), and every
+rank runs every step on the same ``SchedulerOutput``. Only rank 0 samples; a non-first rank is
+handed the tokens rank 0 sampled (``accept_sampled_tokens``) before its next step, so that its
+batch holds the same tokens and it computes the same rows.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 from pagedkv.attention.backends.registry import get_attention_backend
 from pagedkv.attention.forward_context import ForwardContext
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_connector.base import KVConnectorWorker
@@ -39,7 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, args: WorkerConfig) -> None:
+    """Rank ``tp.rank``'s runner (``SINGLE_RANK``: the whole model in this process)."""
+
+    def __init__(self, args: WorkerConfig, tp: TPGroup = SINGLE_RANK) -> None:
+        self.tp = tp
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()
@@ -59,7 +68,7 @@ class ModelRunner:
         if not args.enforce_eager:
             self.attn_backend.load_kernels(self.device)
         self.dtype = resolve_dtype(args.dtype, checkpoint.dtype, self.device)
-        self.model = load_model(model_path, self.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device, tp)
         compiled_cpu = not args.enforce_eager and self.device.type == "cpu"
         if self.device.type == "cpu" and self.dtype == torch.float32:
             attach_cpu_kernels(self.model, compiled_cpu, args.retune_kernels)
@@ -95,9 +104,11 @@ class ModelRunner:
         return budget
 
     def get_kv_cache_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        """Each layer's spec on this rank (its KV heads)."""
         dtype = str(self.dtype).removeprefix("torch.")
         specs: dict[str, KVCacheSpec] = {}
-        for name, layer in zip(self.layer_names, self.model_config.kv_cache_layer_specs()):
+        layer_specs = self.model_config.kv_cache_layer_specs(self.tp.world_size)
+        for name, layer in zip(self.layer_names, layer_specs):
             kw = dict(
                 block_size=block_size,
                 num_kv_heads=layer.num_kv_heads,
@@ -117,7 +128,7 @@ class ModelRunner:
         num_layers = self.model_config.num_hidden_layers
         layer_index = {name: i for i, name in enumerate(self.layer_names)}
         caches: list[torch.Tensor | None] = [None] * num_layers
-        layer_specs = self.model_config.kv_cache_layer_specs()
+        layer_specs = self.model_config.kv_cache_layer_specs(self.tp.world_size)
         for tensor in kv_cache_config.kv_cache_tensors:
             first = layer_specs[layer_index[tensor.shared_by[0]]]
             block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
@@ -145,7 +156,7 @@ class ModelRunner:
             [cdiv(self.max_model_len, bs) for bs in self.group_block_sizes],
         )
         self.step_sampler = StepSampler(
-            self.model, self.input_batch, self.device, self.argmax_kernel
+            self.model, self.input_batch, self.device, self.argmax_kernel, self.tp
         )
 
     # ------------------------------------------------------------------ request state
@@ -163,7 +174,7 @@ class ModelRunner:
             if resumed is not None:  # back from preemption: keep drawing from the same stream
                 generator = resumed.generator
                 num_prompt_logprobs_computed = resumed.num_prompt_logprobs_computed
-            elif params.seed is not None:
+            elif params.seed is not None and self.tp.is_first:  # rank 0 samples
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             else:
                 generator = None
@@ -181,11 +192,30 @@ class ModelRunner:
             batch.block_table.append_row(cached.new_block_ids, row)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
 
+    def accept_sampled_tokens(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+        """On a non-first rank, before its next step: the tokens rank 0 sampled in the last one
+        (its output's ``req_ids`` and ``sampled_token_ids``), appended to the rows of the
+        requests still in the batch, as rank 0 appended them."""
+        batch = self.input_batch
+        held = [
+            (batch.req_id_to_index[req_id], tokens[0])
+            for req_id, tokens in zip(req_ids, sampled_token_ids)
+            if tokens and req_id in batch.req_id_to_index
+        ]
+        if held:
+            rows, tokens = zip(*held)
+            batch.append_tokens(np.array(rows, dtype=np.int64), list(tokens))
+
     def warm_up(self) -> None:
         """Run every path a request can take once (``warm_up.warm_up_steps``), before any KV
         connector is attached: the first request then pays no first-call costs. Leaves no
         request, no written KV (the null block is zeroed again) and the global generator as
-        it was."""
+        it was.
+
+        With several ranks, every rank runs it at once (the steps' collectives meet): a
+        non-first rank is not handed rank 0's tokens, so its dummies decode token 0 where rank
+        0's decode their samples; the rows computed, the sampled rows, and so the collectives,
+        are the same, and the garbage KV lands in the null block either way."""
         if self.kv_connector is not None:
             raise RuntimeError("warm_up runs before a KV connector is attached")
         start = time.perf_counter()

@@ -4,6 +4,12 @@ Only requests that reach the end of their known tokens are sampled (a prefill ch
 mid-prompt produces nothing). A step whose sampled rows are all ``plain`` takes one argmax with
 no per-row work; otherwise each row's parameters, min_tokens, penalties and the engine's grammar
 bitmask are read from the persistent ``InputBatch``.
+
+Tensor parallel: every rank runs ``sample`` on the same rows (each rank's batch holds the same
+tokens: a non-first rank is handed rank 0's) and takes part in the same collectives: an all-plain
+step gathers each rank's greedy candidates (``greedy_across_ranks``), any other step the rows'
+logits (``gather_logits``). Only rank 0 samples, appends and returns tokens; the others return
+no tokens, and no logprobs.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup
 from pagedkv.model.cpu_argmax import CpuArgmax
 from pagedkv.model.llama import LlamaForCausalLM
+from pagedkv.model.parallel_logits import gather_logits, greedy_across_ranks
 from pagedkv.model.sampler import (
     SAMPLING_EPS,
     LogprobsTensors,
+    SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
     sample,
@@ -35,12 +44,14 @@ def _to_logprobs(tensors: LogprobsTensors) -> list[Logprobs]:
 @dataclass(slots=True)
 class StepSampler:
     """Samples the step's rows of ``batch`` from ``model``'s hidden states, on ``device``;
-    ``argmax_kernel``: the compiled CPU argmax for greedy rows (None: torch ops)."""
+    ``argmax_kernel``: the compiled CPU argmax for greedy rows (None: torch ops); ``tp``: the
+    tensor-parallel group ``model`` is a shard of."""
 
     model: LlamaForCausalLM
     batch: InputBatch
     device: torch.device
     argmax_kernel: CpuArgmax | None
+    tp: TPGroup = SINGLE_RANK
 
     def sample(
         self,
@@ -61,18 +72,20 @@ class StepSampler:
         sampled_rows = rows[sample_idx]
         last_token = torch.from_numpy(query_start_loc[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden_states[last_token])
+        plain = grammar_bitmask is None and bool(batch.plain[sampled_rows].all())
         states = None
-        if grammar_bitmask is None and batch.plain[sampled_rows].all():
-            metadata = SamplingMetadata(
-                temperature=torch.zeros(sample_idx.size, device=self.device), all_greedy=True
+        if plain and self.tp.world_size > 1:
+            greedy = greedy_across_ranks(
+                logits, self.model.shards.vocab, self.tp, self.argmax_kernel
             )
+            out = None if greedy is None else SamplerOutput(greedy, None)
         else:
-            states = [batch.states[r] for r in sampled_rows]
-            self._mask_stop_tokens_before_min_tokens(logits, states)
-            metadata = self._sampling_metadata(states)
-            if grammar_bitmask is not None:
-                metadata.allowed_token_mask = self._grammar_mask(states, grammar_bitmask)
-        out = sample(logits, metadata, self.argmax_kernel)
+            whole = gather_logits(logits, self.model.config.vocab_size, self.tp)
+            out = None
+            if whole is not None:
+                out, states = self._sample_rows(whole, sampled_rows, plain, grammar_bitmask)
+        if out is None:  # not rank 0, which samples
+            return sampled_token_ids, None
         tokens = out.sampled_token_ids.tolist()
         batch.append_tokens(sampled_rows, tokens)
         for i, token in zip(sample_idx.tolist(), tokens):
@@ -86,6 +99,27 @@ class StepSampler:
             if k is not None:
                 logprobs[i] = Logprobs(e.token_ids[: k + 1], e.logprobs[: k + 1], e.rank)  # type: ignore[index]
         return sampled_token_ids, logprobs
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        sampled_rows: np.ndarray,
+        plain: bool,
+        grammar_bitmask: GrammarBitmask | None,
+    ) -> tuple[SamplerOutput, list[CachedRequestState] | None]:
+        """Sample the whole vocabulary's ``logits`` of ``sampled_rows``: one argmax when the rows
+        are ``plain``; else with each row's states (returned), min_tokens and grammar masks."""
+        if plain:
+            metadata = SamplingMetadata(
+                temperature=torch.zeros(len(sampled_rows), device=self.device), all_greedy=True
+            )
+            return sample(logits, metadata, self.argmax_kernel), None
+        states = [self.batch.states[r] for r in sampled_rows]
+        self._mask_stop_tokens_before_min_tokens(logits, states)
+        metadata = self._sampling_metadata(states)
+        if grammar_bitmask is not None:
+            metadata.allowed_token_mask = self._grammar_mask(states, grammar_bitmask)
+        return sample(logits, metadata, self.argmax_kernel), states
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
@@ -173,7 +207,13 @@ class StepSampler:
                 continue
             state.num_prompt_logprobs_computed = end
             first = int(query_start_loc[i]) + start - computed
-            logits = self.model.compute_logits(hidden_states[first : first + end - start])
+            logits = gather_logits(
+                self.model.compute_logits(hidden_states[first : first + end - start]),
+                self.model.config.vocab_size,
+                self.tp,
+            )
+            if logits is None:  # not rank 0, which returns them
+                continue
             next_ids = batch.token_ids_cpu[row, start + 1 : end + 1]
             targets = torch.from_numpy(next_ids).to(self.device)
             out[state.req_id] = _to_logprobs(compute_prompt_logprobs(logits, targets, k))

@@ -18,6 +18,7 @@ from pagedkv.worker.cpu_cores import (
     CoreRequest,
     format_cpu_list,
     parse_cpu_list,
+    rank_cpu_cores,
     requested_cores,
 )
 
@@ -101,7 +102,7 @@ def test_all_and_auto_bind_nothing(word: str) -> None:
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("0-1|2-3", "one core list per tensor-parallel rank"),
+        ("0-1|2-3", "needs --tensor-parallel-size > 1"),
         ("zero", "VLLM_CPU_OMP_THREADS_BIND='zero': 'zero' is not a core"),
         (str(NOT_ALLOWED), f"VLLM_CPU_OMP_THREADS_BIND='{NOT_ALLOWED}': core"),
     ],
@@ -119,6 +120,7 @@ def test_a_bad_environment_list_is_refused_by_name(value: str, message: str) -> 
         (["pagedkv", "generate", "w1"], True),
         (["python3.11", "-u", "-X", "dev", "-m", "pagedkv", "serve"], True),
         (["python", "-mpagedkv", "bench", "throughput"], True),
+        (["python", "-m", "pagedkv.executor.worker_proc"], True),
         (["python", "-m", "pagedkv", "proxy"], False),
         (["python", "-m", "pagedkv", "bench", "serve"], False),
         (["python", "-m", "pagedkv"], False),
@@ -132,3 +134,48 @@ def test_a_bad_environment_list_is_refused_by_name(value: str, message: str) -> 
 )
 def test_which_processes_are_pagedkv_instances(argv: list[str], engine: bool) -> None:
     assert is_engine_command(argv) is engine
+
+
+@pytest.mark.parametrize(
+    "cpu_cores, env, expected",
+    [
+        (f"{FIRST}|{LAST}", None, [f"{FIRST}", f"{LAST}"]),
+        (f"{FIRST},{LAST}", None, [f"{FIRST}", f"{LAST}"]),
+        (None, f"{LAST}|{FIRST}", [f"{LAST}", f"{FIRST}"]),
+        (None, f"{FIRST},{LAST}", [f"{FIRST}", f"{LAST}"]),
+    ],
+)
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two cores")
+def test_each_rank_gets_its_own_cores(cpu_cores, env, expected) -> None:
+    environ = {} if env is None else {OMP_THREADS_BIND_ENV: env}
+    assert rank_cpu_cores(cpu_cores, 2, environ) == expected
+
+
+def test_unasked_ranks_split_this_process_cores() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    lists = rank_cpu_cores(None, 2, {})
+    if len(cores) < 2:
+        assert lists == [None, None]
+        return
+    parts = [set(parse_cpu_list(text)) for text in lists]
+    assert not parts[0] & parts[1] and len(parts[0]) == len(parts[1]) == len(cores) // 2
+
+
+@pytest.mark.parametrize(
+    "cpu_cores, message",
+    [
+        (f"{FIRST}|{FIRST}", "a core is in two ranks' lists"),
+        (f"{FIRST}|{LAST}|{FIRST}", "3 lists for 2 tensor-parallel ranks"),
+        (f"{FIRST}", "1 core(s) for 2 tensor-parallel ranks"),
+        (f"{FIRST}|{NOT_ALLOWED}", "this process may only run on"),
+    ],
+)
+def test_rank_core_lists_that_do_not_fit_are_refused(cpu_cores: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"--cpu-cores {cpu_cores!r}")) as info:
+        rank_cpu_cores(cpu_cores, 2, {})
+    assert message in str(info.value)
+
+
+def test_one_rank_takes_the_list_as_given() -> None:
+    assert rank_cpu_cores(f"{FIRST}", 1, {}) == [f"{FIRST}"]
+    assert rank_cpu_cores(None, 1, {OMP_THREADS_BIND_ENV: f"{FIRST}"}) == [None]

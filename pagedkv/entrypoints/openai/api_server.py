@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from http import HTTPStatus
 
@@ -133,6 +134,24 @@ def _v1_routes(async_llm: AsyncLLM, served_model_name: str, api_key: str | None)
     return v1
 
 
+#: How long a server whose engine failed keeps answering (``/health``: 503) before it stops.
+FAILED_GRACE_S = 1.0
+
+
+def stop_when_failed(async_llm: AsyncLLM, server: DrainingServer) -> None:
+    """Once the engine has failed (a tensor-parallel rank died, a step raised), stop the
+    server: its requests have ended with an error, ``/health`` answers 503 for
+    ``FAILED_GRACE_S``, then it exits non-zero (vLLM's server does the same)."""
+
+    def watch() -> None:
+        async_llm.failed.wait()
+        time.sleep(FAILED_GRACE_S)
+        logger.error("the engine failed: stopping the server")
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="pagedkv-failed-engine", daemon=True).start()
+
+
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine_args = EngineArgs.from_cli_args(args)
@@ -172,6 +191,7 @@ def run_server(args: argparse.Namespace) -> None:
         close_all(registrations)
 
     server = DrainingServer.for_app(app, args, begin_drain, async_llm.abort_all)
+    stop_when_failed(async_llm, server)
     logger.info("serving %s on http://%s:%d", served_model_name, args.host, args.port)
     try:
         server.run()
@@ -183,3 +203,5 @@ def run_server(args: argparse.Namespace) -> None:
         async_llm.shutdown(drain_s=max(left, 0.0))
         async_llm.llm_engine.shutdown()  # the KV connector: peers told, threads and sockets
         logger.info("shut down")
+    if async_llm.failed.is_set():
+        raise SystemExit("the engine failed: the server stopped (see the error above)")

@@ -1,0 +1,127 @@
+"""A test-only stand-in for the tensor-parallel executor: each rank's process runs its own
+ModelRunner, Scheduler and KV cache manager, built alike, on the same requests, so every rank
+schedules the same steps; after each step rank 0 broadcasts the tokens it sampled, which each
+other rank hands to its runner (``accept_sampled_tokens``) and its scheduler.
+
+``python -m tests.model.tp_harness SPEC.json`` runs one rank: SPEC names the rank, the world
+size, the store file, the checkpoints and the requests of each scenario; the rank writes what its
+runner returned to ``SPEC["out"]``. ``drive`` is the same loop for any group, one rank included.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup, init_tp_group
+from pagedkv.engine.config import SchedulerConfig
+from pagedkv.engine.request import Request
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
+from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.sampling_params import SamplingParams
+from pagedkv.worker.config import WorkerConfig
+from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.model_runner_output import ModelRunnerOutput
+
+MAX_MODEL_LEN = 96
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160
+
+
+def make_runner(model_dir: str, tp: TPGroup = SINGLE_RANK, cpu_cores: str | None = None):
+    """A warmed-up fp32 CPU runner of rank ``tp.rank`` and a scheduler over its KV cache."""
+    config = WorkerConfig(
+        model_path=Path(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        generation_config="vllm",
+        attention_backend=None,
+        enforce_eager=False,
+        retune_kernels=False,
+        max_num_seqs=8,
+        seed=0,
+        gpu_memory_utilization=0.9,
+        cpu_cores=cpu_cores,
+    )
+    runner = ModelRunner(config, tp)
+    kv_cache_config = get_kv_cache_config(
+        runner.get_kv_cache_specs(BLOCK_SIZE), num_gpu_blocks_override=NUM_BLOCKS
+    )
+    manager = KVCacheManager(kv_cache_config, MAX_MODEL_LEN, enable_caching=False)
+    runner.initialize_kv_cache(kv_cache_config)
+    runner.warm_up()
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN
+    )
+    return runner, Scheduler(scheduler_config, manager, None)
+
+
+def _share_tokens(tp: TPGroup, output: ModelRunnerOutput) -> list[list[int]]:
+    """Rank 0's sampled tokens (one or none per request), on every rank."""
+    tokens = torch.tensor([t[0] if t else -1 for t in output.sampled_token_ids], dtype=torch.int64)
+    if tp.pg is not None and tokens.numel():
+        tp.pg.broadcast(tokens, 0).wait()
+    return [[t] if t >= 0 else [] for t in tokens.tolist()]
+
+
+def drive(model_dir: str, requests: list[dict[str, Any]], tp: TPGroup, cpu_cores=None) -> dict:
+    """Run ``requests`` (``prompt``, ``params``: SamplingParams keywords) to the end; returns
+    per request its tokens and logprobs as rank 0's runner returned them (``{}`` elsewhere),
+    whether every other rank's outputs named the same requests with no tokens, and how many
+    layers took the one-call decode layer."""
+    runner, scheduler = make_runner(model_dir, tp, cpu_cores)
+    for i, spec in enumerate(requests):
+        params = SamplingParams(**spec["params"])
+        scheduler.add_request(Request(f"r{i}", spec["prompt"], params, params.max_tokens))
+    results: dict[str, dict[str, list]] = {}
+    others_empty = True
+    while scheduler.has_unfinished_requests():
+        scheduler_output = scheduler.schedule()
+        output = runner.execute_model(scheduler_output)
+        if not tp.is_first:
+            others_empty &= output.req_ids == list(scheduler_output.num_scheduled_tokens)
+            others_empty &= not any(output.sampled_token_ids) and output.logprobs is None
+        sampled = _share_tokens(tp, output)
+        if not tp.is_first:
+            runner.accept_sampled_tokens(output.req_ids, sampled)
+            output = ModelRunnerOutput(output.req_ids, sampled, num_reqs=output.num_reqs)
+        scheduler.update_from_output(scheduler_output, output)
+        if tp.is_first:
+            _record(results, output)
+    one_call = sum(layer.cpu_decode is not None for layer in runner.model.model.layers)
+    return {"results": results, "others_empty": others_empty, "one_call_layers": one_call}
+
+
+def _record(results: dict[str, dict[str, list]], output: ModelRunnerOutput) -> None:
+    for i, (req_id, tokens) in enumerate(zip(output.req_ids, output.sampled_token_ids)):
+        entry = results.setdefault(req_id, {"tokens": [], "logprobs": [], "prompt_logprobs": []})
+        entry["tokens"] += tokens
+        logprobs = output.logprobs[i] if output.logprobs else None
+        if tokens and logprobs is not None:
+            entry["logprobs"].append([logprobs.token_ids, logprobs.logprobs])
+        for position in output.prompt_logprobs.get(req_id, []):
+            entry["prompt_logprobs"].append([position.token_ids, position.logprobs])
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = spec["rank"], spec["world"]
+    tp = init_tp_group(rank, world, spec["store"], timeout_s=60)
+    out = {
+        model_dir: {
+            name: drive(model_dir, requests, tp, cpu_cores=str(rank % 2))
+            for name, requests in spec["scenarios"].items()
+        }
+        for model_dir in spec["models"]
+    }
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
