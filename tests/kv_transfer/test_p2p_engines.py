@@ -15,8 +15,15 @@ from tests.tiny_models import random_prompt
 MAX_TOKENS = 8
 
 
-def disaggregate(p: EngineHost, d: EngineHost, prompts: list[list[int]], **d_params) -> list[dict]:
-    """Dispatch every prompt to P (max_tokens=1) and D at once, as the proxy does; D's outputs."""
+def disaggregate(
+    p: EngineHost,
+    d: EngineHost,
+    prompts: list[list[int]],
+    p_params: dict | None = None,
+    **d_params,
+) -> list[dict]:
+    """Dispatch every prompt to P (max_tokens=1) and D at once, as the proxy does; D's outputs
+    (``p_params``, ``d_params``: more kv_transfer_params for P, for D)."""
     p.wait_ready()  # a booting P would eat into D's load deadline
     d.wait_ready()
     ids = []
@@ -36,6 +43,7 @@ def disaggregate(p: EngineHost, d: EngineHost, prompts: list[list[int]], **d_par
                 "do_remote_decode": True,
                 "transfer_id": tid,
                 "remote_engine_id": d.kv_transfer_config["engine_id"],
+                **(p_params or {}),
             },
             max_tokens=1,
         )

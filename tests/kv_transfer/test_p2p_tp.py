@@ -234,3 +234,30 @@ def test_a_d_that_planned_for_another_p_size_fails_fast_naming_it(instances) -> 
     assert out is not None and out.finished_recving == {"rd"}
     assert out.invalid_block_ids == {3, 4}
     assert "D planned for a P of 1 tensor-parallel ranks, this P has 2" in out.load_errors["rd"]
+
+
+def test_a_lost_p_rank_fails_the_loads_it_was_part_of_and_only_those(instances) -> None:
+    """P at TP2 loses its rank 1 while D (TP1) waits for both halves of a request: D reports
+    the request once, failed (all its blocks invalid, the lost rank named), and only after
+    the live rank's half has ended; P's rank 0 still delivers its half and frees its blocks."""
+    ps = instances("kv_producer", "P", 2, "shm")
+    (d,) = instances("kv_consumer", "D", 1, "shm")
+    load = LoadSpec("rd", "t1", ps[0].me, None, 8, "h", ([3, 4],), [[0, 1]], 2)
+    run_forward(d, P2pConnectorMetadata(loads=[load]))
+    wait_until(lambda: all(lanes_up(half, 1) for half in ps))
+    ps[1].shutdown()  # its goodbye fails D's piece from it at once
+    time.sleep(0.3)
+    assert not d.get_finished().finished_recving  # the half from rank 0 is still awaited
+    send = SendSpec("rp", "t1", 8, "h", ([1, 2],), "D")
+    run_forward(ps[0], P2pConnectorMetadata(holds=[send], remote_tp_sizes={"t1": 1}))
+    out = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = d.get_finished()
+        if out.finished_recving:
+            break
+        time.sleep(0.05)
+    assert out is not None and out.finished_recving == {"rd"}
+    assert out.invalid_block_ids == {3, 4} and "P.tp1" in out.load_errors["rd"]
+    wait_until(lambda: ps[0].get_finished().finished_sending == {"rp"})
+    assert d.get_kv_connector_stats()["num_loads_delivered"] == 1

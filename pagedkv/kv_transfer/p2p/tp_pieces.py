@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
+from typing import NamedTuple
 
 from pagedkv.distributed.shard import Shard, TPLayout
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, RemoteLoad, SendSpec
@@ -97,6 +98,14 @@ class PieceReports:
         self._finished.in_progress(list(dict.fromkeys(request_ids)))
 
 
+class _Mine(NamedTuple):
+    """One of this rank's pieces of a request's transfer, under its own ids."""
+
+    piece: Piece
+    request_id: str
+    transfer_id: str
+
+
 class TPPieces:
     """This rank's pieces of each transfer: rank ``tp.rank`` of ``tp.size``, its cache holding
     the checkpoint's KV heads ``own`` of ``num_kv_heads``."""
@@ -106,49 +115,48 @@ class TPPieces:
         self.num_kv_heads = num_kv_heads
         self.own = own
         self.reports = reports
-        #: P: an arrived request -> its pieces' (request id, transfer id), until it departs.
-        self._arrived: dict[str, list[tuple[str, str]]] = {}
+        #: P: an arrived request -> its pieces' request ids, until it departs.
+        self._arrived: dict[str, list[str]] = {}
 
-    def _plan(self, p_size: int, d_size: int, producer: bool) -> list[Piece]:
-        """The pieces this rank takes part in, as P (``producer``) or as D."""
+    def _mine(
+        self, request_id: str, transfer_id: str, p_size: int, d_size: int, producer: bool
+    ) -> list[_Mine]:
+        """The pieces this rank takes part in, as P (``producer``) or as D; ValueError when
+        the two sizes can't share the heads."""
         rank = self.tp.rank
-        return [
-            piece
-            for piece in plan_pieces(self.num_kv_heads, p_size, d_size)
-            if (piece.p_rank if producer else piece.d_rank) == rank
-        ]
-
-    def _ids(self, request_id: str, transfer_id: str, piece: Piece, p: int, d: int):
-        tid = piece_transfer_id(transfer_id, piece, p, d)
-        return (request_id if tid == transfer_id else f"{request_id}/{tid}"), tid
+        mine = []
+        for piece in plan_pieces(self.num_kv_heads, p_size, d_size):
+            if (piece.p_rank if producer else piece.d_rank) != rank:
+                continue
+            tid = piece_transfer_id(transfer_id, piece, p_size, d_size)
+            rid = request_id if tid == transfer_id else f"{request_id}/{tid}"
+            mine.append(_Mine(piece, rid, tid))
+        return mine
 
     def _heads(self, piece: Piece) -> Shard | None:
         return None if piece.kv_heads == self.own else piece.kv_heads
 
     # ------------------------------------------------------------------ D
     def loads(self, spec: LoadSpec) -> list[LoadSpec]:
-        """D: the loads of a request's pieces (its ends joined in ``reports``)."""
-        p = spec.remote_tp_size or self.tp.size
+        """D: the loads of a request's pieces (their ends joined in ``reports``)."""
         if spec.remote is None or spec.error is not None:
             return [spec]
+        p = spec.remote_tp_size or self.tp.size
         try:
-            pieces = self._plan(p, self.tp.size, producer=False)
+            mine = self._mine(spec.request_id, spec.transfer_id, p, self.tp.size, False)
         except ValueError as e:
             return [replace(spec, remote=None, error=f"kv_transfer_params.remote_tp_size: {e}")]
-        loads = []
-        for piece in pieces:
-            request_id, tid = self._ids(spec.request_id, spec.transfer_id, piece, p, self.tp.size)
-            remote = rank_address(spec.remote, piece.p_rank)
-            loads.append(
-                replace(
-                    spec,
-                    request_id=request_id,
-                    transfer_id=tid,
-                    remote=remote,
-                    remote_tp_size=p,
-                    kv_heads=self._heads(piece),
-                )
+        loads = [
+            replace(
+                spec,
+                request_id=m.request_id,
+                transfer_id=m.transfer_id,
+                remote=rank_address(spec.remote, m.piece.p_rank),
+                remote_tp_size=p,
+                kv_heads=self._heads(m.piece),
             )
+            for m in mine
+        ]
         self.reports.expect(spec.request_id, [load.request_id for load in loads])
         return loads
 
@@ -158,42 +166,37 @@ class TPPieces:
             return [load]
         p = load.remote_tp_size or self.tp.size
         try:
-            pieces = self._plan(p, self.tp.size, producer=False)
+            mine = self._mine("", load.transfer_id, p, self.tp.size, False)
         except ValueError:
             return []
         return [
-            RemoteLoad(
-                piece_transfer_id(load.transfer_id, piece, p, self.tp.size),
-                rank_address(load.remote, piece.p_rank),
-                None,
-                p,
-            )
-            for piece in pieces
+            RemoteLoad(m.transfer_id, rank_address(load.remote, m.piece.p_rank), None, p)
+            for m in mine
         ]
 
     # ------------------------------------------------------------------ P
-    def sends(self, spec: SendSpec, remote_tp_size: int | None) -> list[SendSpec]:
-        """P: the sends of a transfer's pieces from this rank (none: another rank sends
-        every head this one holds)."""
-        d = remote_tp_size or self.tp.size
+    def _mine_as_p(self, request_id: str, transfer_id: str, d_size: int | None) -> list[_Mine]:
         try:
-            pieces = self._plan(self.tp.size, d, producer=True)
+            return self._mine(request_id, transfer_id, self.tp.size, d_size or self.tp.size, True)
         except ValueError as e:
-            logger.warning("transfer %s: not sent from here: %s", spec.transfer_id, e)
+            logger.warning("transfer %s: not sent from here: %s", transfer_id, e)
             return []
+
+    def sends(self, spec: SendSpec, remote_tp_size: int | None) -> list[SendSpec]:
+        """P: the sends of a transfer's pieces from this rank (none: other ranks send every
+        head this one holds)."""
         sends = []
-        for piece in pieces:
-            request_id, tid = self._ids(spec.request_id, spec.transfer_id, piece, self.tp.size, d)
+        for m in self._mine_as_p(spec.request_id, spec.transfer_id, remote_tp_size):
             expected = spec.expected_peer
             if expected is not None:
-                expected = rank_engine_id(expected, piece.d_rank)
+                expected = rank_engine_id(expected, m.piece.d_rank)
             sends.append(
                 replace(
                     spec,
-                    request_id=request_id,
-                    transfer_id=tid,
+                    request_id=m.request_id,
+                    transfer_id=m.transfer_id,
                     expected_peer=expected,
-                    kv_heads=self._heads(piece),
+                    kv_heads=self._heads(m.piece),
                 )
             )
         return sends
@@ -210,24 +213,17 @@ class TPPieces:
 
     def transfer_ids(self, transfer_id: str, remote_tp_size: int | None) -> list[str]:
         """P: the transfer ids of a transfer's pieces from this rank."""
-        d = remote_tp_size or self.tp.size
-        try:
-            pieces = self._plan(self.tp.size, d, producer=True)
-        except ValueError:
-            return []
-        return [piece_transfer_id(transfer_id, piece, self.tp.size, d) for piece in pieces]
+        return [m.transfer_id for m in self._mine_as_p("", transfer_id, remote_tp_size)]
 
-    def arrived(self, request_id: str, transfer_id: str, remote_tp_size: int | None):
+    def arrived(
+        self, request_id: str, transfer_id: str, remote_tp_size: int | None
+    ) -> list[tuple[str, str]]:
         """P: a request arrived: its pieces' (request id, transfer id), remembered until it
         departs."""
-        d = remote_tp_size or self.tp.size
-        pieces = [
-            (request_id if tid == transfer_id else f"{request_id}/{tid}", tid)
-            for tid in self.transfer_ids(transfer_id, d)
-        ]
-        self._arrived[request_id] = pieces
-        return pieces
+        mine = self._mine_as_p(request_id, transfer_id, remote_tp_size)
+        self._arrived[request_id] = [m.request_id for m in mine]
+        return [(m.request_id, m.transfer_id) for m in mine]
 
     def departed(self, request_id: str) -> list[str]:
         """P: the pieces' request ids of a request that departed."""
-        return [rid for rid, _ in self._arrived.pop(request_id, [])]
+        return self._arrived.pop(request_id, [])
