@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedkv.distributed.shard import Shard, TPLayout, kv_head_shard
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
 from pagedkv.kv_transfer.p2p.head_plan import (
     piece_transfer_id,
@@ -88,6 +89,10 @@ def test_a_split_request_is_reported_once_every_piece_has_ended() -> None:
     out = finished.take()
     assert out.finished_recving == {"r", "solo"} and out.invalid_block_ids == {1, 2, 3}
     assert out.load_errors == {"r": "P rank 1 lost"}
+    assert reports.take_cancels() == []  # r/a had not failed: r/b was not cut short
+    reports.expect("u", ["u/a", "u/b", "u/c"])
+    reports.recving("u/b", set(), "P rank 1 lost")
+    assert sorted(reports.take_cancels()) == ["u/a", "u/c"] and reports.take_cancels() == []
     reports.expect("s", ["s/a", "s/b"])
     reports.sending("s/b")
     assert not finished.take().finished_sending
@@ -137,17 +142,18 @@ def instances() -> Iterator:
         half.shutdown()
 
 
-def collect(ranks: list[P2pConnectorWorker], field: str, want: set[str]) -> list[set[str]]:
-    """What each rank reported in ``field`` over a few steps, once each has reported ``want``."""
-    seen: list[set[str]] = [set() for _ in ranks]
+def collect(ranks: list[P2pConnectorWorker], field: str, want: set[str], failures=False):
+    """What each rank reported in ``field`` over a few steps, once each has reported ``want``
+    (no failure among them unless ``failures``: then each rank's whole reports, merged)."""
+    seen = [KVConnectorOutput() for _ in ranks]
     deadline = time.monotonic() + 15
-    while any(s != want for s in seen) and time.monotonic() < deadline:
-        for s, half in zip(seen, ranks):
+    while any(getattr(s, field) != want for s in seen) and time.monotonic() < deadline:
+        for i, half in enumerate(ranks):
             out = half.get_finished()
-            assert not out.invalid_block_ids and not out.load_errors, out.load_errors
-            s |= getattr(out, field)
+            assert failures or not (out.invalid_block_ids or out.load_errors), out.load_errors
+            seen[i] = KVConnectorOutput.merge([seen[i], out])
         time.sleep(0.05)
-    return seen
+    return seen if failures else [getattr(s, field) for s in seen]
 
 
 def lanes_up(half: P2pConnectorWorker, num_records: int) -> bool:
@@ -237,27 +243,23 @@ def test_a_d_that_planned_for_another_p_size_fails_fast_naming_it(instances) -> 
 
 
 def test_a_lost_p_rank_fails_the_loads_it_was_part_of_and_only_those(instances) -> None:
-    """P at TP2 loses its rank 1 while D (TP1) waits for both halves of a request: D reports
-    the request once, failed (all its blocks invalid, the lost rank named), and only after
-    the live rank's half has ended; P's rank 0 still delivers its half and frees its blocks."""
+    """P at TP2 loses its rank 1 while D (TP1) waits for both halves of two requests: D
+    reports each once, failed (all its blocks invalid, the lost rank named), at once: the
+    halves from the live rank 0 are cancelled, which frees P's blocks there as soon as they
+    are held."""
     ps = instances("kv_producer", "P", 2, "shm")
     (d,) = instances("kv_consumer", "D", 1, "shm")
-    load = LoadSpec("rd", "t1", ps[0].me, None, 8, "h", ([3, 4],), [[0, 1]], 2)
-    run_forward(d, P2pConnectorMetadata(loads=[load]))
-    wait_until(lambda: all(lanes_up(half, 1) for half in ps))
-    ps[1].shutdown()  # its goodbye fails D's piece from it at once
-    time.sleep(0.3)
-    assert not d.get_finished().finished_recving  # the half from rank 0 is still awaited
-    send = SendSpec("rp", "t1", 8, "h", ([1, 2],), "D")
-    run_forward(ps[0], P2pConnectorMetadata(holds=[send], remote_tp_sizes={"t1": 1}))
-    out = None
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        out = d.get_finished()
-        if out.finished_recving:
-            break
-        time.sleep(0.05)
-    assert out is not None and out.finished_recving == {"rd"}
-    assert out.invalid_block_ids == {3, 4} and "P.tp1" in out.load_errors["rd"]
-    wait_until(lambda: ps[0].get_finished().finished_sending == {"rp"})
-    assert d.get_kv_connector_stats()["num_loads_delivered"] == 1
+    loads = [
+        LoadSpec(f"rd{i}", f"t{i}", ps[0].me, None, 8, "h", ([3 + 2 * i, 4 + 2 * i],), [[0, 1]], 2)
+        for i in range(2)
+    ]
+    run_forward(d, P2pConnectorMetadata(loads=loads))
+    wait_until(lambda: all(lanes_up(half, 2) for half in ps))
+    ps[1].shutdown()  # its goodbye fails D's pieces from it at once, and their siblings
+    out = collect([d], "finished_recving", {"rd0", "rd1"}, failures=True)[0]
+    assert out.finished_recving == {"rd0", "rd1"} and out.invalid_block_ids == {3, 4, 5, 6}
+    assert all("P.tp1" in out.load_errors[rid] for rid in ("rd0", "rd1"))
+    sends = [SendSpec(f"rp{i}", f"t{i}", 8, "h", ([1, 2],), "D") for i in range(2)]
+    run_forward(ps[0], P2pConnectorMetadata(holds=sends, remote_tp_sizes={"t0": 1, "t1": 1}))
+    assert collect(ps[:1], "finished_sending", {"rp0", "rp1"}) == [{"rp0", "rp1"}]
+    assert ps[0].get_kv_connector_stats()["num_sends_delivered"] == 0

@@ -5,7 +5,9 @@ request into events about the pieces this rank takes part in, each a transfer of
 the owners (its own record, WANT, lease, lane and end), under its own transfer and request
 ids. A piece's end is reported under its request id; ``PieceReports`` reports the request
 once each of its pieces has ended on this rank: sent (P), or received (D: the union of the
-pieces' failed blocks, the first failure's reason). The executor then joins the ranks: a
+pieces' failed blocks, the first failure's reason). On D a failed piece fails its request, so
+the pieces still under way are cancelled (``take_cancels``: by the maintenance thread, as the
+owner's lock may be held when a piece reports). The executor then joins the ranks: a
 request counts once every rank reported it, so a rank with no piece of a transfer (a P rank
 whose heads another rank sends) reports it when its blocks are held, at once.
 
@@ -48,6 +50,8 @@ class PieceReports:
         #: D: the failed blocks and first failure of a request's ended pieces.
         self._invalid: dict[str, set[int]] = {}
         self._error: dict[str, str] = {}
+        #: D: pieces still under way of a request another piece of which failed.
+        self._cancels: list[str] = []
 
     def expect(self, request_id: str, piece_ids: list[str]) -> None:
         if piece_ids == [request_id]:
@@ -83,14 +87,21 @@ class PieceReports:
         with self._lock:
             key = self._request_of.get(piece_id, piece_id)
             self._invalid.setdefault(key, set()).update(invalid_block_ids)
-            if error is not None:
-                self._error.setdefault(key, error)
+            if error is not None and key not in self._error:
+                self._error[key] = error
+                self._cancels.extend(self._pending.get(key, set()) - {piece_id})
             request_id = self._ended(piece_id)
             if request_id is None:
                 return
             invalid = self._invalid.pop(request_id)
             error = self._error.pop(request_id, None)
         self._finished.recving(request_id, invalid, error)
+
+    def take_cancels(self) -> list[str]:
+        """D: the pieces to cancel, each once: their request failed already."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+        return cancels
 
     def in_progress(self, piece_ids: list[str]) -> None:
         with self._lock:

@@ -260,6 +260,8 @@ class P2pConnectorWorker(KVConnectorWorker):
             try:
                 now = time.monotonic()
                 self.outbound.on_tick(now)
+                for piece_id in self.reports.take_cancels():
+                    self.inbound.on_cancel(piece_id, "another piece of its request failed")
                 self.inbound.on_tick(now)
                 self.peers.on_tick(now, self._heartbeats)
             except Exception:
