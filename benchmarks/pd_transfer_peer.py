@@ -131,7 +131,7 @@ class LaneStack:
         in_flight = self.args["in_flight_bytes"]
         if self.role == "D":
             self.lane = receive_lane(
-                wire, lambda tid, segments: self.target, lambda segments: self.drain,
+                wire, lambda xfer: self.target, lambda xfer: self.drain,
                 lambda target, n, error: self._received(error),
                 lambda reason: print("D lane broken:", reason), in_flight, 60, "bench-recv",
             )  # fmt: skip
