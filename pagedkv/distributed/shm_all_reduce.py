@@ -163,11 +163,17 @@ class ShmAllReduce:
                     _bytes(out[r])[start : start + nbytes] = slot
         return out
 
+    def abort(self) -> None:
+        """Close the group: every rank waiting in a collective raises at once. Safe from any
+        thread, even while this rank is inside a collective: the memory stays mapped."""
+        if self._segment is not None:
+            self._close(self._group_ref, -1)
+
     def close(self) -> None:
-        """Close the group (every rank still waiting in a collective raises at once) and unmap."""
+        """``abort``, then unmap: only once no collective can run on this rank any more."""
         if self._segment is None:
             return
-        self._close(self._group_ref, -1)
+        self.abort()
         self._segment.close()
         self._segment = None
 
@@ -195,7 +201,6 @@ class ShmAllReduce:
                 if missing >= 0
                 else f"rank {who} closed the group"
             )
-        self.close()
         raise RuntimeError(f"tensor-parallel {op} on rank {self.rank}: {problem}")
 
 

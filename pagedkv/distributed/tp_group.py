@@ -78,9 +78,15 @@ class TPGroup:
         self.pg.gather([], [x], options).wait()
         return None
 
+    def abort(self) -> None:
+        """Give up on the group, from any thread: a rank waiting in a shared-memory collective
+        (this one or another) raises at once instead of after the timeout. Over gloo a dead
+        peer's closed sockets do the same by themselves."""
+        if self.shm is not None:
+            self.shm.abort()
+
     def close(self) -> None:
-        """Release the shared memory; a rank still waiting in a collective with this one
-        raises at once instead of after the timeout."""
+        """``abort``, and release the shared memory: once this rank runs no more collectives."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None

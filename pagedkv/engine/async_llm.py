@@ -212,7 +212,8 @@ class AsyncLLM:
         even an idle one, so in-flight requests fail and ``is_running`` turns false now."""
 
         def fail() -> None:
-            raise EngineDeadError(why)
+            if self._dead is None:  # else the step already failed with it
+                raise EngineDeadError(why)
 
         self._commands.put(fail)
 
