@@ -297,7 +297,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             output_dim = output_dims[target.param]
-            num_outputs = target.num_outputs or param.shape[output_dim]
+            num_outputs = target.num_outputs
+            if num_outputs is None:
+                num_outputs = param.shape[output_dim]
             destination = param.narrow(output_dim, target.start, num_outputs)
             if output_dim == 1:
                 destination = destination.t()
