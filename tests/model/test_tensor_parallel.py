@@ -64,6 +64,7 @@ SCENARIOS = {
     "greedy": {"requests": GREEDY},
     "mixed": {"requests": MIXED},
     "grammar": {"requests": GREEDY, "allowed": ALLOWED},
+    "eager": {"requests": GREEDY, "enforce_eager": True},
 }
 
 
@@ -114,7 +115,8 @@ def test_tp2_greedy_equals_one_rank_and_transformers(
     arch: str, checkpoints: dict[str, str], tp2_outputs: list[dict]
 ) -> None:
     """Rank 0 returns transformers' greedy tokens, as one rank does; rank 1 the same requests
-    with no tokens. The shards run the compiled kernels but the one-call decode layer."""
+    with no tokens. The shards run the compiled kernels but the one-call decode layer, or
+    with ``enforce_eager`` torch ops only."""
     directory = checkpoints[arch]
     rank0, rank1 = (out[directory]["greedy"] for out in tp2_outputs)
     assert rank1["others_empty"] and rank1["results"] == {}
@@ -128,9 +130,10 @@ def test_tp2_greedy_equals_one_rank_and_transformers(
     assert single["one_call_layers"] == (config.num_hidden_layers if compiled else 0)
     one_rank = single["results"]
     hf_model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    eager = tp2_outputs[0][directory]["eager"]["results"]
     for i, spec in enumerate(GREEDY):
         tokens = rank0["results"][f"r{i}"]["tokens"]
-        assert tokens == one_rank[f"r{i}"]["tokens"]
+        assert tokens == one_rank[f"r{i}"]["tokens"] == eager[f"r{i}"]["tokens"]
         assert tokens == hf_greedy(hf_model, spec["prompt"], NUM_NEW)
 
 

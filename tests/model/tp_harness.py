@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup, init_tp_group
+from pagedkv.distributed.tp_group import TPGroup, init_tp_group
 from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler
@@ -35,7 +35,9 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 
 
-def make_runner(model_dir: str, tp: TPGroup = SINGLE_RANK, cpu_cores: str | None = None):
+def make_runner(
+    model_dir: str, tp: TPGroup, cpu_cores: str | None, enforce_eager: bool
+) -> tuple[ModelRunner, Scheduler]:
     """A warmed-up fp32 CPU runner of rank ``tp.rank`` and a scheduler over its KV cache."""
     config = WorkerConfig(
         model_path=Path(model_dir),
@@ -44,7 +46,7 @@ def make_runner(model_dir: str, tp: TPGroup = SINGLE_RANK, cpu_cores: str | None
         max_model_len=MAX_MODEL_LEN,
         generation_config="vllm",
         attention_backend=None,
-        enforce_eager=False,
+        enforce_eager=enforce_eager,
         retune_kernels=False,
         max_num_seqs=8,
         seed=0,
@@ -85,11 +87,13 @@ def drive(
     model_dir: str, scenario: dict[str, Any], tp: TPGroup, cpu_cores: str | None = None
 ) -> dict:
     """Run ``scenario["requests"]`` (``prompt``, ``params``: SamplingParams keywords) to the
-    end, request ``r0`` held to ``scenario["allowed"]`` tokens where it names some; returns
+    end, request ``r0`` held to ``scenario["allowed"]`` tokens where it names some, with torch
+    ops only where ``scenario["enforce_eager"]``; returns
     per request its tokens and logprobs as rank 0's runner returned them (``{}`` elsewhere),
     whether every other rank's outputs named the same requests with no tokens, how many
     layers took the one-call decode layer and each layer's KV heads on this rank."""
-    runner, scheduler = make_runner(model_dir, tp, cpu_cores)
+    eager = scenario.get("enforce_eager", False)
+    runner, scheduler = make_runner(model_dir, tp, cpu_cores, eager)
     allowed = scenario.get("allowed")
     vocab_size = runner.model_config.vocab_size
     bitmask = None if allowed is None else allowed_bitmask("r0", allowed, vocab_size)
