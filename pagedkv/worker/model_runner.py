@@ -242,7 +242,11 @@ class ModelRunner:
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
-        """One step. ``grammar_bitmask`` constrains the sampling of the rows it names."""
+        """One step. ``grammar_bitmask`` constrains the sampling of the rows it names.
+
+        With several ranks every rank is given the same ``scheduler_output`` and
+        ``grammar_bitmask`` (whether there is one decides which collectives the step runs);
+        only rank 0's output carries tokens, logprobs and prompt logprobs."""
         self._update_states(scheduler_output)
         connector = self.kv_connector
         if connector is None:
