@@ -78,6 +78,11 @@ class TPGroup:
         self.pg.gather([], [x], options).wait()
         return None
 
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        if self.world_size > 1:
+            self.all_reduce(torch.zeros(1))
+
     def abort(self) -> None:
         """Give up on the group, from any thread: a rank waiting in a shared-memory collective
         (this one or another) raises at once instead of after the timeout. Over gloo a dead
