@@ -30,6 +30,7 @@ import msgspec
 from pagedkv.distributed.shard import TPLayout
 from pagedkv.distributed.tp_group import TPGroup, init_tp_group
 from pagedkv.executor.connector_codec import encode_plain
+from pagedkv.executor.errors import RankDiedError
 from pagedkv.executor.executor import Executor
 from pagedkv.executor.kv_output_aggregator import KVOutputAggregator
 from pagedkv.executor.messages import (
@@ -62,10 +63,6 @@ logger = logging.getLogger(__name__)
 #: A collective (and the ranks' meeting) fails after this long without its peers: a slow step
 #: is never that slow, and a dead rank is seen at once by the monitor anyway.
 COLLECTIVE_TIMEOUT_S = 300.0
-
-
-class RankDiedError(RuntimeError):
-    """A tensor-parallel rank is gone: the engine cannot go on."""
 
 
 class MultiprocExecutor(Executor):

@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH
-from pagedkv.executor.multiproc_executor import RankDiedError
+from pagedkv.executor.errors import RankDiedError
 from pagedkv.sampling_params import StructuredOutputsParams
 from tests.engine.conftest import assert_all_blocks_free
 from tests.tiny_models import CONFIGS, TINY, build_checkpoint, build_tokenizer, random_prompt
