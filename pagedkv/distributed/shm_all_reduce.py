@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 #: a long prefill's go in chunks of this size.
 SHM_SLOT_BYTES = 4 << 20
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_OK, _TIMEOUT, _CLOSED = 0, 1, 2
+_OK, _TIMEOUT = 0, 1  # the C functions' statuses; 2: the group was closed
 
 
 class _ShmGroup(ctypes.Structure):
