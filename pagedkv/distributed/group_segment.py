@@ -55,11 +55,6 @@ class GroupSegment:
     def size_for(world_size: int, slot_bytes: int) -> int:
         return HEADER_BYTES + 2 * world_size * slot_bytes
 
-    def slot(self, rank: int, seq: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of rank ``rank``'s slot for sequence number ``seq``."""
-        start = HEADER_BYTES + (2 * rank + seq % 2) * self.slot_bytes
-        return self.buffer[start : start + nbytes]
-
     def close(self) -> None:
         """Unmap (the last rank to unmap frees the memory)."""
         del self.header, self.buffer

@@ -76,8 +76,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 #: (group, seq, ..., who) -> status: the C functions' arguments.
 _SIGNATURES = {
     "shm_all_reduce": [_P, _I64, _P, _I64, _I32, _P],
-    "shm_group_publish": [_P, _I64, _P, _I64, _P],
-    "shm_group_wait": [_P, _I64, _P],
+    "shm_gather": [_P, _I64, _P, _I64, _P, _I64, _P],
 }
 
 
@@ -106,8 +105,7 @@ class ShmAllReduce:
             getattr(library, name).argtypes = argtypes
             getattr(library, name).restype = _I32
         self._all_reduce = library.shm_all_reduce
-        self._publish = library.shm_group_publish
-        self._wait = library.shm_group_wait
+        self._gather = library.shm_gather
         self._close = library.shm_group_close
         self._close.argtypes = [_P, _I32]
         self._close.restype = None
@@ -144,24 +142,18 @@ class ShmAllReduce:
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's CPU ``x``, in rank order, on rank 0; None on the other ranks."""
-        data = _bytes(x.contiguous())
-        out = None
-        if self.rank == 0:
-            out = [x.clone(memory_format=torch.contiguous_format)]
-            out += [torch.empty(x.shape, dtype=x.dtype) for _ in range(1, self.world_size)]
+        """Every rank's CPU ``x``, in rank order, on rank 0 (views of one buffer); None on
+        the other ranks."""
+        y = x if x.is_contiguous() else x.contiguous()
+        nbytes = y.numel() * y.element_size()
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype) if self.rank == 0 else None
         chunk = self._open().slot_bytes
-        for start in range(0, data.numel(), chunk):
-            nbytes = min(chunk, data.numel() - start)
+        for start in range(0, nbytes, chunk):
             self._seq += 1
-            src = None if out is not None else data[start:].data_ptr()
-            self._call("gather", self._publish, src, nbytes)
-            if out is not None:
-                self._call("gather", self._wait)
-                for r in range(1, self.world_size):
-                    slot = self._open().slot(r, self._seq, nbytes)
-                    _bytes(out[r])[start : start + nbytes] = slot
-        return out
+            dst = None if out is None else out.data_ptr() + start
+            args = (y.data_ptr() + start, min(chunk, nbytes - start), dst, nbytes)
+            self._call("gather", self._gather, *args)
+        return None if out is None else list(out.unbind(0))
 
     def close(self) -> None:
         """Close the group (every rank still waiting in a collective raises at once) and unmap."""
@@ -197,8 +189,3 @@ class ShmAllReduce:
             )
         self.close()
         raise RuntimeError(f"tensor-parallel {op} on rank {self.rank}: {problem}")
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, flat."""
-    return x.view(-1).view(torch.uint8)
