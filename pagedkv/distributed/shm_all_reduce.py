@@ -156,11 +156,12 @@ class ShmAllReduce:
         return None if out is None else list(out.unbind(0))
 
     def close(self) -> None:
-        """Close the group (every rank still waiting in a collective raises at once) and unmap."""
+        """Close the group (every rank still waiting in a collective raises at once) and let
+        the segment go: it is unmapped once no call holds it, so ``close`` may come from
+        another thread while a collective waits (that call then raises)."""
         if self._segment is None:
             return
         self._close(self._group_ref, -1)
-        self._segment.close()
         self._segment = None
 
     def _open(self) -> GroupSegment:
@@ -171,7 +172,7 @@ class ShmAllReduce:
     def _call(self, op: str, function: ctypes._CFuncPtr, *args: int | None) -> None:
         """``function(group, seq, *args, who)``; a RuntimeError naming the missing rank (and
         the group closed) unless it succeeded."""
-        self._open()
+        segment = self._open()  # held: the mapping stays while the call may touch it
         status = function(self._group_ref, self._seq, *args, self._who_ref)
         if status == _OK:
             return
@@ -180,8 +181,7 @@ class ShmAllReduce:
             self._close(self._group_ref, who)
             problem = f"rank {who} did not arrive within {self.timeout_s:g} s"
         else:
-            closed = int(self._open().header[CLOSED_WORD])
-            missing = (closed & 0xFFFFFFFF) - 1
+            missing = (int(segment.header[CLOSED_WORD]) & 0xFFFFFFFF) - 1
             problem = (
                 f"rank {missing} did not arrive within {self.timeout_s:g} s (rank {who} gave up)"
                 if missing >= 0
