@@ -1,7 +1,8 @@
 """ShmAllReduce: all-reduce and gather between the ranks of one host through shared memory.
 
-A decode step's all-reduce moves a few kilobytes; over gloo (loopback TCP) its latency is
-tens of microseconds of system calls and wake-ups. Here each rank copies its tensor into its
+A decode step's all-reduce moves a few kilobytes; over gloo (loopback TCP) that is system
+calls and wake-ups: 4 KiB between two ranks took 170-370 us on this project's 2-core machine,
+against about 7 us here (``benchmarks/all_reduce.py``). Each rank copies its tensor into its
 own slot of the group's segment (``group_segment.py``), announces it by a counter, and reads
 the others' slots directly (``csrc/shm_all_reduce.cpp``).
 
