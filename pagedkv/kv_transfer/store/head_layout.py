@@ -82,14 +82,15 @@ class HeadLayout:
         kv_caches: Sequence[torch.Tensor],
         block_ids: Sequence[int],
         payloads: Sequence[memoryview],
+        staging: np.ndarray,
     ) -> None:
         """Scatter verified values (every held head of each block, block-major) into the
-        blocks ``block_ids``."""
-        num_read = len(self.heads.read)
-        staging = np.empty((len(payloads), self.payload_size), dtype=np.uint8)
-        for row, payload in zip(staging, payloads):
+        blocks ``block_ids``, through ``staging`` (uint8, a row of at least ``payload_size``
+        bytes per value; reused by the caller, so its pages are touched once)."""
+        rows = staging[: len(payloads), : self.payload_size]
+        for row, payload in zip(rows, payloads):
             row[:] = np.frombuffer(payload, dtype=np.uint8)
-        values = self._as_values(staging, num_read)
+        values = self._as_values(rows, len(self.heads.read))
         device = kv_caches[self.group.layer_indices[0]].device
         if device.type == "cpu":
             for j, layer in enumerate(self.group.layer_indices):

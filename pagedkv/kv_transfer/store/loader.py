@@ -51,10 +51,10 @@ class BlockFetcher:
         #: Where a zero-copy backend fetches a batch: one row per value, as long as the longest
         #: value (allocated once, so pages are touched only by a backend that writes them).
         num_values = GET_BATCH_BLOCKS * max(len(layout.heads.read) for layout in layouts)
-        self.rows = np.empty(
-            (num_values, HEADER_SIZE + max(layout.payload_size for layout in layouts)),
-            dtype=np.uint8,
-        )
+        payload_size = max(layout.payload_size for layout in layouts)
+        self.rows = np.empty((num_values, HEADER_SIZE + payload_size), dtype=np.uint8)
+        #: Where verified payloads are gathered before they are scattered into the cache.
+        self.staging = np.empty((num_values, payload_size), dtype=np.uint8)
         backend.register_buffer(self.rows)
 
     def load(
@@ -98,7 +98,7 @@ class BlockFetcher:
             ids.append(ref.block_id)
             group_payloads.extend(payloads)
         for group_id, (ids, payloads) in verified.items():
-            self.layouts[group_id].unpack(self.kv_caches, ids, payloads)
+            self.layouts[group_id].unpack(self.kv_caches, ids, payloads, self.staging)
             stats.num_blocks_loaded += len(ids)
             stats.num_bytes_loaded += len(payloads) * self.layouts[group_id].payload_size
         self.recent_keys.add_many(ref.key for ref in chunk if ref.block_id not in invalid)
