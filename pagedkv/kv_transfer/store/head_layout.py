@@ -41,10 +41,6 @@ class HeadLayout:
         return [cls(group, RankHeads.of(tp, group.layer_block_shape[2])) for group in groups]
 
     @property
-    def group_id(self) -> int:
-        return self.group.group_id
-
-    @property
     def payload_size(self) -> int:
         """One value's payload: one head of one block."""
         two, block_size, _, head_bytes = self.group.layer_block_shape

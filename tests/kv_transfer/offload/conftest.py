@@ -46,11 +46,14 @@ def connector_halves(llm):
 
 
 def settle(llm) -> None:
-    """Let every queued tier write end, then step once so the scheduler half hears of them."""
+    """Let every queued tier write end, then step once so the scheduler half hears of them,
+    and let the deletes that step queued (files of blocks not stored on every head) end."""
     _, worker_half = connector_halves(llm)
     for lower in worker_half.lower.values():
         assert lower.writer.wait_idle(30.0)
     llm.llm_engine.step()
+    for lower in worker_half.lower.values():
+        assert lower.writer.wait_idle(30.0)
 
 
 def assert_tiers_idle(llm) -> None:
