@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from pagedkv.distributed.shard import TPLayout
 from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedkv.engine.engine_description import EngineDescription, ModelIdentity
@@ -186,8 +187,10 @@ class LLMEngine:
         if config is None:
             return None
         self.kv_transfer_config = KVTransferConfig.from_dict(config)
+        heads = self.model_runner.model_config.num_key_value_heads  # the checkpoint's
+        tp = TPLayout(0, self.executor.tensor_parallel_size, heads)  # the instance's (rank 0's)
         connector = create_scheduler_connector(
-            self.kv_transfer_config, self.kv_cache_config, model_fingerprint
+            self.kv_transfer_config, self.kv_cache_config, model_fingerprint, tp
         )
         try:
             self.executor.attach_kv_connector(

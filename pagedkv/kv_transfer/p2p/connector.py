@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_connector.params import KVTransferParams, asks_for
@@ -150,8 +151,10 @@ class _Producing:
 
 
 class P2pConnector(KVConnectorBase):
-    def __init__(self, config, kv_cache_config, model_fingerprint: str) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+    def __init__(
+        self, config, kv_cache_config, model_fingerprint: str, tp: TPLayout = SINGLE_LAYOUT
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.p2p_config = P2pConfig.from_kv_transfer_config(config)
         block_sizes = set(kv_cache_config.block_sizes)
         if len(block_sizes) != 1:
