@@ -3,7 +3,8 @@
 one run.
 
 1. put/get GB/s of realistic blocks: 32 layers x 8 KV heads x 128 head size x 16 tokens x fp16
-   = 2 MiB per block value, batches of 16/32/64 blocks. Ours is the connector's whole path:
+   = 2 MiB per block, stored as 8 values of 256 KiB (one per KV head), batches of 16/32/64
+   blocks. Ours is the connector's whole path:
    put = ``BlockWriter.store`` (exists_many, paged-cache snapshot -> payload rows, header +
    xxh3-64, one put_from); get = ``BlockFetcher.load`` (one get_into, verify, scatter into a
    paged cache). The peer moves the same bytes with the raw client, in the same run:
@@ -45,13 +46,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT  # noqa: E402
 from pagedkv.engine.request_input import RequestInput  # noqa: E402
 from pagedkv.kv_transfer.store.backends import create_backend  # noqa: E402
 from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE  # noqa: E402
 from pagedkv.kv_transfer.store.block_layout import GroupLayout  # noqa: E402
 from pagedkv.kv_transfer.store.config import StoreConfig  # noqa: E402
+from pagedkv.kv_transfer.store.head_layout import HeadLayout  # noqa: E402
 from pagedkv.kv_transfer.store.loader import BlockFetcher  # noqa: E402
 from pagedkv.kv_transfer.store.metadata import BlockRef  # noqa: E402
+from pagedkv.kv_transfer.store.rank_heads import RankHeads  # noqa: E402
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys  # noqa: E402
 from pagedkv.kv_transfer.store.stats import StoreStats  # noqa: E402
 from pagedkv.kv_transfer.store.writer import BlockWriter, PutJob  # noqa: E402
@@ -160,7 +164,8 @@ class ConnectorPath:
             torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, dtype=torch.float16)
             for _ in range(LAYERS)
         ]
-        self.layout = GroupLayout(0, tuple(range(LAYERS)), (2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE * 2))
+        group = GroupLayout(0, tuple(range(LAYERS)), (2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE * 2))
+        self.layout = HeadLayout(group, RankHeads.of(SINGLE_LAYOUT, KV_HEADS))
         self.backend = create_backend(StoreConfig.from_extra_config(extra_config(url)))
         self.stats, recent = StoreStats(), RecentKeys()
         self.writer = BlockWriter(self.backend, self.stats, recent, max_queued_bytes=1 << 40)
@@ -168,11 +173,20 @@ class ConnectorPath:
 
     @property
     def value_size(self) -> int:
+        """One value: a header and one KV head's payload."""
         return HEADER_SIZE + self.layout.payload_size
+
+    @property
+    def block_bytes(self) -> int:
+        """A block's bytes in the store: a value per KV head."""
+        return KV_HEADS * self.value_size
+
+    def value_keys(self, job: PutJob) -> list[str]:
+        return self.layout.write_keys(job.keys)
 
     def job(self, n: int) -> tuple[PutJob, list[BlockRef]]:
         keys = [f"bench:ours:{i}" for i in range(n)]
-        snapshot = self.layout.snapshot(self.caches, torch.arange(1, n + 1))
+        snapshot = self.layout.group.snapshot(self.caches, torch.arange(1, n + 1))
         refs = [BlockRef(0, n + 1 + i, key) for i, key in enumerate(keys)]
         return PutJob(self.layout, keys, set(), snapshot), refs
 
@@ -217,12 +231,13 @@ def redis_client(url: str, tuned: bool) -> redis.Redis:
 def measure_redis(path: ConnectorPath, n: int, tuned, default, repeats: int) -> tuple:
     """Median seconds to put and to get ``n`` blocks: ours, raw (tuned) and raw (default)."""
     job, refs = path.job(n)
-    raw_keys = [f"bench:raw:{i}" for i in range(n)]
+    value_keys = path.value_keys(job)
+    raw_keys = [f"bench:raw:{i}" for i in range(len(value_keys))]
     path.writer.store(job)  # also gives the raw path the very same bytes
-    mapping = dict(zip(raw_keys, [bytes(v) for v in path.backend.get_many(job.keys)]))
+    mapping = dict(zip(raw_keys, [bytes(v) for v in path.backend.get_many(value_keys)]))
 
     def forget() -> None:
-        tuned.delete(*job.keys, *raw_keys)
+        tuned.delete(*value_keys, *raw_keys)
 
     put = median_times(
         {
@@ -257,9 +272,9 @@ def bench_redis_put_get(url: str, batch_sizes: list[int], repeats: int) -> None:
     print_header("raw")
     for n in batch_sizes:
         put, get = measure_redis(path, n, tuned, default, repeats)
-        gb = n * path.value_size / 1e9
+        gb = n * path.block_bytes / 1e9
         defaults = f" | defaults: put {gb / put['default']:.2f}, get {gb / get['default']:.2f}"
-        print_row(n, path.value_size, put, get, defaults)
+        print_row(n, path.block_bytes, put, get, defaults)
     path.close()
     for client in (tuned, default):
         client.close()
@@ -269,17 +284,18 @@ def measure_mooncake(path: ConnectorPath, n: int, raw, values: np.ndarray, repea
     """Median seconds to put and to get ``n`` blocks: ours, and the raw client's zero-copy
     calls on the same bytes (``values``: a buffer registered with ``raw``)."""
     job, refs = path.job(n)
-    raw_keys = [f"bench:raw:{i}" for i in range(n)]
-    size = path.value_size
-    ptrs, sizes = [values.ctypes.data + i * size for i in range(n)], [size] * n
+    value_keys = path.value_keys(job)
+    num_values, size = len(value_keys), path.value_size
+    raw_keys = [f"bench:raw:{i}" for i in range(num_values)]
+    ptrs, sizes = [values.ctypes.data + i * size for i in range(num_values)], [size] * num_values
     path.writer.store(job)  # the raw path moves the very same bytes
-    assert raw.batch_get_into(job.keys, ptrs, sizes) == sizes
+    assert raw.batch_get_into(value_keys, ptrs, sizes) == sizes
 
     def forget() -> None:
-        raw.batch_remove(job.keys + raw_keys, force=True)
+        raw.batch_remove(value_keys + raw_keys, force=True)
 
     def raw_put() -> None:
-        assert raw.batch_put_from(raw_keys, ptrs, sizes) == [0] * n
+        assert raw.batch_put_from(raw_keys, ptrs, sizes) == [0] * num_values
 
     def raw_get() -> None:
         assert raw.batch_get_into(raw_keys, ptrs, sizes) == sizes
@@ -309,13 +325,13 @@ def bench_mooncake_put_get(url: str, batch_sizes: list[int], repeats: int) -> No
         f"{master.hostname}:{master.port or DEFAULT_PORT}",
     )  # fmt: skip
     assert rc == 0, f"raw client setup -> {rc}"
-    values = np.empty((max(batch_sizes), path.value_size), dtype=np.uint8)
+    values = np.empty((max(batch_sizes) * KV_HEADS, path.value_size), dtype=np.uint8)
     assert raw.register_buffer(values.ctypes.data, values.nbytes) == 0
     print("peer: the raw client's batch_put_from / batch_get_into (registered buffer)")
     print_header("raw")
     for n in batch_sizes:
         put, get = measure_mooncake(path, n, raw, values, repeats)
-        print_row(n, path.value_size, put, get)
+        print_row(n, path.block_bytes, put, get)
     path.close()
     raw.close()
 

@@ -21,6 +21,9 @@ llama.cpp through the llamacpp anchor's harness on a GGUF conversion of the same
 
     python benchmarks/throughput.py --anchor-dir ../hf_peer             # ~6 min on a quiet box
     python benchmarks/throughput.py --anchor-dir ../hf_peer --modes ours,static --runs 1
+    python benchmarks/throughput.py --anchor-dir ../hf_peer --tensor-parallel-size 2 --runs 1
+
+``--tensor-parallel-size N`` runs only ``tp_throughput.py``'s comparison: TP 1 against TP N.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from step_breakdown import (  # noqa: E402
     replay_gemms,
     streaming_read_bandwidth,
 )
+from tp_throughput import compare_tp  # noqa: E402
 
 DEFAULT_ANCHOR = os.path.join(HERE, "..", "..", "shared", "anchors", "hf_peer")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -136,6 +140,12 @@ def main() -> None:
     ap.add_argument("--max-wait", type=float, default=300)
     ap.add_argument("--retries", type=int, default=4)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        help="compare TP 1 with TP N (ranks one per core) instead of the other modes",
+    )
     args = ap.parse_args()
     anchor = os.path.abspath(args.anchor_dir)
     if not os.path.exists(os.path.join(anchor, "bench_hf.py")):
@@ -173,6 +183,15 @@ def main() -> None:
     results: dict = dict(
         machine=dict(nproc=os.cpu_count(), torch=torch.__version__, threads=torch.get_num_threads())
     )
+    if args.tensor_parallel_size is not None:
+        greedy = SamplingParams(temperature=0, max_tokens=wl.MAX_NEW_TOKENS, ignore_eos=True)
+        results["tensor_parallel"] = compare_tp(
+            model_dir, prompts, greedy, args, total_out, bench_hf, run_ours_single, wl
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     outputs: dict[str, list[list[int]]] = {}
 
     def summarize(name: str, times: list[float]) -> None:

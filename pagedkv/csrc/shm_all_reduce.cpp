@@ -24,8 +24,11 @@ constexpr int64_t kClosed = 64;
 constexpr int64_t kCounters = 128;
 constexpr int64_t kLineBytes = 64;
 constexpr int64_t kHeaderBytes = 4096;
-// Waiting: spin this long, then yield the core, then sleep (ranks may share cores).
-constexpr int64_t kSpinNs = 20'000;
+constexpr int32_t kMaxWorldSize = (kHeaderBytes - kCounters) / kLineBytes;
+// Waiting: spin this long, then yield the core, then sleep. Ranks may share a core: a short
+// spin lets the peer run sooner (two ranks on one core: 4 KiB in ~25 us with 2 us of spin,
+// ~60 us with 20 us), and on a core of its own a yield returns at once, so the polling goes on.
+constexpr int64_t kSpinNs = 2'000;
 constexpr int64_t kYieldNs = 1'000'000;
 constexpr int64_t kSleepNs = 50'000;
 // Elements summed per block: kBlock fp32 accumulators stay in registers.
@@ -101,10 +104,12 @@ int32_t wait_all(const ShmGroup* g, int64_t seq, int32_t* who) {
 }
 
 // out[i] = round(((s_0[i] + s_1[i]) + s_2[i]) + ...), the sum in fp32 in rank order: the same
-// operations in the same order on every rank, hence the same bits.
+// operations in the same order on every rank, hence the same bits. (-ffast-math may reassociate,
+// but here each rank's addition is its own pass over acc, a chain over a runtime count of ranks;
+// tests/distributed checks the bits against the rank-order sum.)
 template <typename T>
 void sum_slots(const ShmGroup* g, int64_t seq, T* out, int64_t numel) {
-  const T* src[64];
+  const T* src[kMaxWorldSize];
   for (int32_t r = 0; r < g->world_size; ++r) src[r] = reinterpret_cast<const T*>(slot(g, r, seq));
   float acc[kBlock];
   for (int64_t start = 0; start < numel; start += kBlock) {
@@ -115,31 +120,40 @@ void sum_slots(const ShmGroup* g, int64_t seq, T* out, int64_t numel) {
     for (int64_t j = 0; j < n; ++j) out[start + j] = pagedkv::from_float<T>(acc[j]);
   }
 }
-}  // namespace
 
-extern "C" {
 // Sequence number seq: wait until every rank has published seq - 1 (then nobody still reads
 // this rank's slot of seq's parity), copy nbytes of src into it (none when src is null), and
 // publish seq.
-int32_t shm_group_publish(const ShmGroup* g, int64_t seq, const void* src, int64_t nbytes,
-                          int32_t* who) {
+int32_t publish(const ShmGroup* g, int64_t seq, const void* src, int64_t nbytes, int32_t* who) {
   const int32_t status = wait_all(g, seq - 1, who);
   if (status != kOk) return status;
   if (src != nullptr) std::memcpy(slot(g, g->rank, seq), src, nbytes);
   __atomic_store_n(counter(g, g->rank), seq, __ATOMIC_RELEASE);
   return kOk;
 }
+}  // namespace
 
-// Until every rank has published seq (see wait_all for the statuses).
-int32_t shm_group_wait(const ShmGroup* g, int64_t seq, int32_t* who) {
-  return wait_all(g, seq, who);
+extern "C" {
+// nbytes of every rank's src into rank 0's dst: rank r's at dst + r * dst_stride (dst is read
+// on rank 0 only; its own bytes are copied from src, not through its slot).
+int32_t shm_gather(const ShmGroup* g, int64_t seq, const void* src, int64_t nbytes, void* dst,
+                   int64_t dst_stride, int32_t* who) {
+  int32_t status = publish(g, seq, g->rank == 0 ? nullptr : src, nbytes, who);
+  if (status != kOk || g->rank != 0) return status;
+  status = wait_all(g, seq, who);
+  if (status != kOk) return status;
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  std::memcpy(out, src, nbytes);
+  for (int32_t r = 1; r < g->world_size; ++r)
+    std::memcpy(out + r * dst_stride, slot(g, r, seq), nbytes);
+  return kOk;
 }
 
 // x (numel elements of dtype, at most slot_bytes) = the rank-order sum of every rank's x.
 int32_t shm_all_reduce(const ShmGroup* g, int64_t seq, void* x, int64_t numel, int32_t dtype,
                        int32_t* who) {
   const int64_t nbytes = numel * (dtype == kFloat32 ? 4 : 2);
-  int32_t status = shm_group_publish(g, seq, x, nbytes, who);
+  int32_t status = publish(g, seq, x, nbytes, who);
   if (status == kOk) status = wait_all(g, seq, who);
   if (status != kOk) return status;
   if (dtype == kFloat32) sum_slots(g, seq, static_cast<float*>(x), numel);

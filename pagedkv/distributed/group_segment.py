@@ -42,7 +42,8 @@ _NONE = "none"
 
 
 class GroupSegment:
-    """A mapped segment: ``buffer`` (uint8, the whole segment) and ``header`` (int64 words)."""
+    """A mapped segment: ``buffer`` (uint8, the whole segment) and ``header`` (int64 words).
+    Unmapped when the object goes (the last rank to unmap frees the memory)."""
 
     def __init__(self, mapping: mmap.mmap, world_size: int, slot_bytes: int) -> None:
         self._mapping = mapping
@@ -54,16 +55,6 @@ class GroupSegment:
     @staticmethod
     def size_for(world_size: int, slot_bytes: int) -> int:
         return HEADER_BYTES + 2 * world_size * slot_bytes
-
-    def slot(self, rank: int, seq: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of rank ``rank``'s slot for sequence number ``seq``."""
-        start = HEADER_BYTES + (2 * rank + seq % 2) * self.slot_bytes
-        return self.buffer[start : start + nbytes]
-
-    def close(self) -> None:
-        """Unmap (the last rank to unmap frees the memory)."""
-        del self.header, self.buffer
-        self._mapping.close()
 
     @classmethod
     def meet(

@@ -30,8 +30,8 @@ from pagedkv.distributed.shm_all_reduce import SHM_SLOT_BYTES, ShmAllReduce
 
 
 class TPGroup:
-    """``rank`` of ``world_size``; ``pg`` the ranks' process group (None for one rank);
-    ``shm`` their shared-memory collectives (None: gloo only)."""
+    """``rank`` of ``world_size``; ``pg`` the ranks' process group (None for one rank, and once
+    closed); ``shm`` their shared-memory collectives (None: gloo only)."""
 
     def __init__(
         self,
@@ -54,36 +54,59 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x`` (same shape and dtype on each), in place; returns x."""
-        if self.pg is None:
+        if self.world_size == 1:
             return x
         if self.shm is not None and self.shm.supports_all_reduce(x):
             return self.shm.all_reduce(x)
-        self.pg.allreduce([x], ReduceOp.SUM).wait()
+        self._process_group().allreduce([x], ReduceOp.SUM).wait()
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's ``x`` (same shape and dtype on each), in rank order, on rank 0; None on
         the other ranks."""
-        if self.pg is None:
+        if self.world_size == 1:
             return [x]
         if self.shm is not None and x.is_cpu:
             return self.shm.gather(x)
         x = x.contiguous()
         options = GatherOptions()
         options.rootRank = 0
+        pg = self._process_group()
         if self.rank == 0:
             out = [torch.empty_like(x) for _ in range(self.world_size)]
-            self.pg.gather([out], [x], options).wait()
+            pg.gather([out], [x], options).wait()
             return out
-        self.pg.gather([], [x], options).wait()
+        pg.gather([], [x], options).wait()
         return None
 
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        if self.world_size > 1:
+            self.all_reduce(torch.zeros(1))
+
+    def abort(self) -> None:
+        """Give up on the group, from any thread: a rank waiting in a shared-memory collective
+        (this one or another) raises at once instead of after the timeout. Over gloo a dead
+        peer's closed sockets do the same by themselves."""
+        if self.shm is not None:
+            self.shm.close()  # thread-safe: a collective in progress keeps the mapping
+
     def close(self) -> None:
-        """Release the shared memory; a rank still waiting in a collective with this one
-        raises at once instead of after the timeout."""
+        """The rank leaves the group: a rank still waiting in a shared-memory collective with
+        it raises at once instead of after the timeout; the shared memory is unmapped and the
+        process group shut down and dropped (a gloo group left to the interpreter's exit can
+        abort the process). A collective after ``close`` raises."""
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.pg is not None:
+            self.pg.shutdown()
+            self.pg = None
+
+    def _process_group(self) -> ProcessGroup:
+        if self.pg is None:
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: the group is closed")
+        return self.pg
 
 
 SINGLE_RANK = TPGroup(0, 1)

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from pagedkv.engine.engine_args import EngineArgs
-from pagedkv.engine.llm_engine import LLMEngine, NewRequest
+from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput, merge_deltas
-from pagedkv.engine.request_input import RequestInput
+from pagedkv.engine.request_input import NewRequest, RequestInput
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.sampling_params import RequestOutputKind
 
@@ -212,7 +212,8 @@ class AsyncLLM:
         even an idle one, so in-flight requests fail and ``is_running`` turns false now."""
 
         def fail() -> None:
-            raise EngineDeadError(why)
+            if self._dead is None:  # else the step already failed with it
+                raise EngineDeadError(why)
 
         self._commands.put(fail)
 

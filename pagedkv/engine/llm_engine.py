@@ -11,15 +11,15 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
+from pagedkv.distributed.shard import TPLayout
 from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.engine_args import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
 from pagedkv.engine.engine_description import EngineDescription, ModelIdentity
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request, RequestStatus
-from pagedkv.engine.request_input import PromptType, RequestInput
+from pagedkv.engine.request_input import NewRequest, PromptType, RequestInput
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_stats import SchedulerStats
 from pagedkv.engine.structured_output_manager import StructuredOutputManager
@@ -33,37 +33,15 @@ from pagedkv.kv_connector.histogram import HistogramStat
 from pagedkv.kv_events.config import KVEventsConfig
 from pagedkv.kv_events.publisher import KVEventPublisher
 from pagedkv.kv_transfer.factory import create_scheduler_connector
-from pagedkv.model.tokenizer import load_hf_tokenizer
+from pagedkv.model.tokenizer import load_tokenizer
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 
-class NewRequest(NamedTuple):
-    """A validated request, not yet in the engine: its ``n`` children (one when n == 1, under
-    ``request_id`` itself)."""
-
-    request_id: str
-    prompt_text: str | None
-    children: list[Request]
-
-
 #: Longest an idle step waits for a KV transfer to end (new requests wait at most this long).
 IDLE_WAIT_S = 0.005
-
-
-def load_tokenizer(path):
-    """The model's tokenizer, or None when the directory has none (token-id prompts only). It
-    has encoded and decoded once: a first call costs about a millisecond more than later ones,
-    paid here rather than by the first request."""
-    try:
-        tokenizer = load_hf_tokenizer(path)
-    except (OSError, ValueError, TypeError) as e:
-        logger.warning("no tokenizer in %s (%s): only token-id prompts will work", path, e)
-        return None
-    tokenizer.decode(tokenizer.encode("warm up"))
-    return tokenizer
 
 
 class LLMEngine:
@@ -186,8 +164,10 @@ class LLMEngine:
         if config is None:
             return None
         self.kv_transfer_config = KVTransferConfig.from_dict(config)
+        heads = self.model_runner.model_config.num_key_value_heads  # the checkpoint's
+        tp = TPLayout(0, self.executor.tensor_parallel_size, heads)  # the instance's (rank 0's)
         connector = create_scheduler_connector(
-            self.kv_transfer_config, self.kv_cache_config, model_fingerprint
+            self.kv_transfer_config, self.kv_cache_config, model_fingerprint, tp
         )
         try:
             self.executor.attach_kv_connector(

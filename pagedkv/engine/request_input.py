@@ -6,8 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request import Request
 
 #: Text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids, "prompt": text}``.
 PromptType = str | Sequence[int] | dict
@@ -36,3 +40,12 @@ class RequestInput:
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         if self.params is not None and self.params.n > 1 and self.kv_transfer_params is not None:
             raise ValueError("n > 1 cannot be combined with kv_transfer_params")
+
+
+class NewRequest(NamedTuple):
+    """A validated request, not yet in the engine: its ``n`` children (one when n == 1, under
+    ``request_id`` itself)."""
+
+    request_id: str
+    prompt_text: str | None
+    children: list[Request]

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pagedkv.engine.engine_args import DEFAULT_MODEL_PATH, model_arg
+from pagedkv.executor.errors import RankDiedError
 
 _SUMMARIES = {
     "generate": "Complete prompts in one batch, streaming each completion to the terminal.",
@@ -186,5 +187,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
-    except (ValueError, ImportError) as e:  # flags the engine refuses, or a missing extra
-        sys.exit(f"pagedkv {args.command}: error: {e}")
+    except (ValueError, ImportError, RankDiedError) as e:  # flags the engine refuses, a
+        sys.exit(f"pagedkv {args.command}: error: {e}")  # missing extra, a rank that failed

@@ -30,6 +30,7 @@ import msgspec
 from pagedkv.distributed.shard import TPLayout
 from pagedkv.distributed.tp_group import TPGroup, init_tp_group
 from pagedkv.executor.connector_codec import encode_plain
+from pagedkv.executor.errors import RankDiedError
 from pagedkv.executor.executor import Executor
 from pagedkv.executor.kv_output_aggregator import KVOutputAggregator
 from pagedkv.executor.messages import (
@@ -64,10 +65,6 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-class RankDiedError(RuntimeError):
-    """A tensor-parallel rank is gone: the engine cannot go on."""
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, configs: list[WorkerConfig], log_level: str = "INFO") -> None:
         """``configs[r]``: rank r's worker config (its own ``cpu_cores``)."""
@@ -77,6 +74,7 @@ class MultiprocExecutor(Executor):
         self._aggregator: KVOutputAggregator | None = None
         self._sampled: tuple[list[str], list[list[int]]] = ([], [])
         self._stopped = False
+        self._lock = threading.Lock()
         self.workers: list[WorkerHandle] = []
         meeting_dir = tempfile.mkdtemp(prefix="pagedkv-tp-")  # 0700: this user only
         store_path = os.path.join(meeting_dir, "store")
@@ -145,12 +143,13 @@ class MultiprocExecutor(Executor):
             return
 
     def _die(self, why: str) -> None:
-        if self._dead is not None:
-            return
-        self._dead = why
-        logger.error("%s: the engine stops", why)
-        self.tp.close()
-        self._broadcast.close()
+        with self._lock:  # not while ``shutdown`` unmaps the group
+            if self._dead is not None or self._stopped:
+                return
+            self._dead = why
+            logger.error("%s: the engine stops", why)
+            self.tp.abort()
+            self._broadcast.close()
         for callback in self._on_death:
             callback(why)
 
@@ -240,9 +239,10 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Tell every rank to stop and wait for them (killing one that does not stop)."""
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
         if self._dead is None and self.workers:
             with contextlib.suppress(OSError):
                 self._broadcast.publish(
@@ -252,5 +252,6 @@ class MultiprocExecutor(Executor):
         for worker in self.workers:
             worker.stop()
         if hasattr(self, "tp"):
-            self.tp.close()
+            with self._lock:
+                self.tp.close()
         os.close(self._broadcast_fd)

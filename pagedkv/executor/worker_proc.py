@@ -121,8 +121,11 @@ class WorkerRank:
         return Done()
 
     def shutdown(self) -> None:
+        """The connector, then the group (a gloo group left to the interpreter's exit can
+        abort the process)."""
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.shutdown()
+        self.tp.close()
 
 
 def serve(start: WorkerStart, replies: ReplyChannel) -> None:

@@ -53,12 +53,20 @@ class KVConnectorHalf:
     """What both halves are built from, report and do at the end."""
 
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
         self.config = config
         self.kv_cache_config = kv_cache_config
         #: Identifies the model, dtype and KV layout: KV is only exchanged between equals.
         self.model_fingerprint = model_fingerprint
+        #: The instance's tensor-parallel layout. A worker half: its rank, whose cache holds
+        #: ``tp.kv_heads()`` of the checkpoint's KV heads, in the same block ids as every rank.
+        #: The scheduler half (one per instance): rank 0's, for ``size`` and ``num_kv_heads``.
+        self.tp = tp
 
     def get_kv_connector_stats(self) -> dict[str, int | float | HistogramStat]:
         """Counters (``num_*``), gauges and histograms since start, by name (both halves'
@@ -183,10 +191,7 @@ class KVConnectorWorker(KVConnectorHalf, ABC):
         model_fingerprint: str,
         tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
-        #: This rank's place in the instance's tensor-parallel group: its cache holds
-        #: ``tp.kv_heads()`` of the checkpoint's KV heads, in the same block ids as every rank.
-        self.tp = tp
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self._metadata: KVConnectorMetadata | None = None
         #: Set (by any thread) when a transfer may have ended. Replaced by
         #: ``set_progress_event``: read the attribute each time, never keep the event.

@@ -58,10 +58,15 @@ def _load(target: str) -> type:
 
 
 def create_scheduler_connector(
-    config: KVTransferConfig, kv_cache_config, model_fingerprint: str
+    config: KVTransferConfig,
+    kv_cache_config,
+    model_fingerprint: str,
+    tp: TPLayout = SINGLE_LAYOUT,
 ) -> KVConnectorBase:
-    """The scheduler half of ``config.kv_connector``."""
-    return _load(_registered(config).scheduler_cls)(config, kv_cache_config, model_fingerprint)
+    """The scheduler half of ``config.kv_connector`` for an instance of ``tp.size`` ranks
+    (``tp``: rank 0's layout)."""
+    scheduler_cls = _load(_registered(config).scheduler_cls)
+    return scheduler_cls(config, kv_cache_config, model_fingerprint, tp)
 
 
 def create_worker_connector(

@@ -26,39 +26,12 @@ from pagedkv.model.linear import Linear
 from pagedkv.model.lm_head import LMHead
 from pagedkv.model.rms_norm import RMSNorm
 from pagedkv.model.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from pagedkv.model.tensor_parallel import ModelShards
+from pagedkv.model.tensor_parallel import CheckpointSlice, ModelShards
 from pagedkv.model.vocab_embedding import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
     from pagedkv.model.cpu_layer_ops import CpuLayerOps
-
-
-class CheckpointSlice(NamedTuple):
-    """Where a checkpoint tensor goes: outputs ``[start, start + num_outputs)`` of parameter
-    ``param`` (``num_outputs`` None: all of them), from rows ``shard`` of the ``total`` along
-    the tensor's dimension ``dim`` (the checkpoint's layout, ``[out, in]``; ``shard`` None: the
-    whole tensor)."""
-
-    param: str
-    start: int = 0
-    num_outputs: int | None = None
-    dim: int = 0
-    shard: Shard | None = None
-    total: int = 0
-
-    def narrow(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of checkpoint tensor ``name`` (a view); ValueError when the tensor
-        does not have ``total`` rows to take it from."""
-        shard = self.shard
-        if shard is None:
-            return tensor
-        if tensor.dim() <= self.dim or tensor.shape[self.dim] != self.total:
-            expected = [*tensor.shape[: self.dim], self.total, *tensor.shape[self.dim + 1 :]]
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
-            )
-        return tensor.narrow(self.dim, shard.start, shard.size)
 
 
 class _LayerArgs(NamedTuple):
@@ -297,7 +270,9 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             output_dim = output_dims[target.param]
-            num_outputs = target.num_outputs or param.shape[output_dim]
+            num_outputs = target.num_outputs
+            if num_outputs is None:
+                num_outputs = param.shape[output_dim]
             destination = param.narrow(output_dim, target.start, num_outputs)
             if output_dim == 1:
                 destination = destination.t()

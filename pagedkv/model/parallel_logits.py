@@ -5,6 +5,9 @@
   maximum and its global index, gathered to rank 0, which keeps the largest (a tie goes to the
   lowest rank, whose indices are the lowest: ``torch.argmax``'s first maximum).
 - ``gather_logits``: the rows' whole logits on rank 0, for everything else the sampler does.
+
+Both gather host tensors (gloo's gather takes no device tensors; on the CPU the copies are
+the tensors themselves) and return rank 0's answer on the logits' device.
 """
 
 from __future__ import annotations
@@ -26,17 +29,15 @@ def greedy_across_ranks(
     The maximum and its index travel as float64 (exact for any fp32 value and any vocabulary
     under 2**53); a NaN wins as in ``torch.argmax`` (the first one)."""
     local_index = argmax(logits, argmax_kernel)
-    best = torch.stack(
-        [logits.gather(1, local_index.unsqueeze(1)).squeeze(1).double(),
-         (local_index + vocab.start).double()],
-    )  # fmt: skip
-    gathered = tp.gather(best)
+    local_max = logits.gather(1, local_index.unsqueeze(1)).squeeze(1)
+    best = torch.stack([local_max.double(), (local_index + vocab.start).double()])
+    gathered = tp.gather(best.cpu())
     if gathered is None:
         return None
     maxima = torch.stack([g[0] for g in gathered])  # [world, num_rows]
     indices = torch.stack([g[1] for g in gathered])
     winner = maxima.argmax(dim=0)
-    return indices.gather(0, winner.unsqueeze(0)).squeeze(0).long()
+    return indices.gather(0, winner.unsqueeze(0)).squeeze(0).long().to(logits.device)
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor | None:
@@ -50,7 +51,7 @@ def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.T
     if logits.shape[1] < width:
         padded = logits.new_full((logits.shape[0], width), float("-inf"))
         padded[:, : logits.shape[1]] = logits
-    gathered = tp.gather(padded)
+    gathered = tp.gather(padded.cpu())
     if gathered is None:
         return None
-    return torch.cat(gathered, dim=1)[:, :vocab_size].contiguous()
+    return torch.cat(gathered, dim=1)[:, :vocab_size].contiguous().to(logits.device)

@@ -11,13 +11,19 @@ split, vLLM's layers).
   ``ParallelLMHead``): the rank's rows of ``vocab_shard``, cut at ``vocab_size`` (the last
   rank may hold fewer; nothing past ``vocab_size`` exists to be sampled).
 
-Each of these is a plain ``Linear``/``LMHead`` of the local shape: the compiled CPU kernels and
-the kernel choices see only that shape, and with one rank the model is exactly the unsharded one.
+Each projection is a plain ``Linear`` (the head an ``LMHead``) of the local shape, and the
+all-reduce after a row-parallel one is the layer's (``LlamaAttention``, ``LlamaMLP``): the
+compiled CPU kernels and the kernel choices see only local shapes, the choices' timing runs
+the module alone (no collective a rank would run on its own), and with one rank the model is
+exactly the unsharded one. The loader copies each checkpoint tensor's part for this rank
+(``CheckpointSlice``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 from pagedkv.distributed.shard import Shard, check_divides, even_shard, kv_head_shard, vocab_shard
 from pagedkv.model.config import ModelConfig
@@ -51,3 +57,30 @@ class ModelShards(NamedTuple):
             intermediate=even_shard(config.intermediate_size, rank, size),
             vocab=Shard(vocab.start, min(vocab.end, config.vocab_size) - vocab.start),
         )
+
+
+class CheckpointSlice(NamedTuple):
+    """Where a checkpoint tensor goes: outputs ``[start, start + num_outputs)`` of parameter
+    ``param`` (``num_outputs`` None: all of them), from rows ``shard`` of the ``total`` along
+    the tensor's dimension ``dim`` (the checkpoint's layout, ``[out, in]``; ``shard`` None: the
+    whole tensor)."""
+
+    param: str
+    start: int = 0
+    num_outputs: int | None = None
+    dim: int = 0
+    shard: Shard | None = None
+    total: int = 0
+
+    def narrow(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (a view); ValueError when the tensor
+        does not have ``total`` rows to take it from."""
+        shard = self.shard
+        if shard is None:
+            return tensor
+        if tensor.dim() <= self.dim or tensor.shape[self.dim] != self.total:
+            expected = [*tensor.shape[: self.dim], self.total, *tensor.shape[self.dim + 1 :]]
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+            )
+        return tensor.narrow(self.dim, shard.start, shard.size)

@@ -71,7 +71,14 @@ class ModelRunner:
         self.model = load_model(model_path, self.dtype, self.device, tp)
         compiled_cpu = not args.enforce_eager and self.device.type == "cpu"
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            attach_cpu_kernels(self.model, compiled_cpu, args.retune_kernels)
+            # Rank 0 makes (or reads) the per-machine kernel choices before the other ranks
+            # read them: ranks of equal shards then apply the same, from the first start on.
+            if not tp.is_first:
+                tp.barrier()
+            retune = args.retune_kernels and tp.is_first
+            attach_cpu_kernels(self.model, compiled_cpu, retune)
+            if tp.is_first:
+                tp.barrier()
         #: Greedy tokens on CPU (the logits are fp32 in every model dtype).
         self.argmax_kernel = load_cpu_argmax() if compiled_cpu else None
         self.model_config: ModelConfig = self.model.config
@@ -242,7 +249,11 @@ class ModelRunner:
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
-        """One step. ``grammar_bitmask`` constrains the sampling of the rows it names."""
+        """One step. ``grammar_bitmask`` constrains the sampling of the rows it names.
+
+        With several ranks every rank is given the same ``scheduler_output`` and
+        ``grammar_bitmask`` (whether there is one decides which collectives the step runs);
+        only rank 0's output carries tokens, logprobs and prompt logprobs."""
         self._update_states(scheduler_output)
         connector = self.kv_connector
         if connector is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed import FileStore
 
-from pagedkv.distributed.group_segment import GroupSegment
+from pagedkv.distributed.group_segment import HEADER_BYTES, GroupSegment
 
 SLOT = 4096
 
@@ -29,11 +29,13 @@ def meet_all(tmp_path: Path, usable: list[bool]) -> list[GroupSegment | None]:
 def test_every_rank_maps_the_same_memory(tmp_path: Path):
     segments = meet_all(tmp_path, [True, True, True])
     assert all(segment is not None for segment in segments)
-    segments[2].slot(2, 1, 8)[:] = 7
-    assert segments[0].slot(2, 1, 8).tolist() == [7] * 8
-    assert segments[1].slot(2, 0, 8).tolist() == [0] * 8  # the other parity
-    for segment in segments:
-        segment.close()
+    start = HEADER_BYTES + 5 * SLOT  # rank 2's slot of odd parity
+    segments[2].buffer[start : start + 8] = 7
+    assert segments[0].buffer[start : start + 8].tolist() == [7] * 8
+    assert segments[1].buffer[start - 8 : start].tolist() == [0] * 8
+    del segments
+    with open("/proc/self/maps") as maps:
+        assert "pagedkv-tp" not in maps.read()  # unmapped with the last reference
 
 
 def test_one_rank_that_cannot_means_gloo_on_every_rank(tmp_path: Path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ SLOT = 64 << 10  # small slots: the larger cases go in several chunks
 
 
 def run_group(directory: Path, world: int, *args: str, timeout_s: float = 60) -> list[dict]:
-    """Every rank's result (None for a rank that died)."""
+    """Every rank's result (None for a rank killed by SIGKILL)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -40,9 +41,11 @@ def run_group(directory: Path, world: int, *args: str, timeout_s: float = 60) ->
                 proc.wait()
     results = []
     for rank, proc in enumerate(procs):
-        path = directory / f"result-{rank}.json"
-        assert path.exists() or proc.returncode < 0, stderr[rank][-2000:]
-        results.append(json.loads(path.read_text()) if path.exists() else None)
+        if proc.returncode == -signal.SIGKILL:
+            results.append(None)
+            continue
+        assert proc.returncode == 0, stderr[rank][-2000:]  # also: no abort at exit
+        results.append(json.loads((directory / f"result-{rank}.json").read_text()))
     return results
 
 
@@ -76,9 +79,9 @@ def test_a_tensor_larger_than_the_default_slot(tmp_path: Path):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_hundreds_of_back_to_back_calls_with_skewed_ranks(tmp_path: Path, world: int):
-    """600 small collectives, some ranks napping before some calls: a fast rank reuses its
+    """400 small collectives, some ranks napping before some calls: a fast rank reuses its
     slot of the same parity two calls later while slow ones may still be on the last one."""
-    args = ("--seed", "11", "--slot", str(SLOT), "--cases", "600", "--max-bytes", "4096")
+    args = ("--seed", "11", "--slot", str(SLOT), "--cases", "400", "--max-bytes", "4096")
     check_cases(run_group(tmp_path, world, "cases", *args, "--skew"))
 
 

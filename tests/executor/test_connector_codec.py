@@ -61,7 +61,7 @@ def _round_trip(obj: object) -> object:
         OFFLOAD,
         STORE,
         MultiConnectorMetadata((OFFLOAD, P2P), {"r1": (0, 1)}, {"r2": (0, 1)}),
-        OffloadReport(stores=[("cpu", "k", True)], bad=[("disk", "k2")], load_seconds=[0.5]),
+        OffloadReport(stores=[("cpu", "k", True)], bad=[("disk", "k2")], load_seconds={"r": 0.5}),
         (OffloadReport(stores=[("cpu", "k", False)]), None),
     ],
     ids=["none", "p2p", "offload", "store", "multi", "report", "composite-report"],

@@ -14,7 +14,14 @@ import torch
 
 from pagedkv.distributed.shard import Shard, TPLayout, kv_head_shard
 from pagedkv.kv_connector.output import KVConnectorOutput
-from pagedkv.kv_transfer.p2p.connector import LoadSpec, P2pConnectorMetadata, SendSpec
+from pagedkv.kv_connector.params import KVTransferParams
+from pagedkv.kv_transfer.p2p.connector import (
+    LoadSpec,
+    P2pConnectorMetadata,
+    RemoteLoad,
+    SendSpec,
+    parse_remote_load,
+)
 from pagedkv.kv_transfer.p2p.head_plan import (
     piece_transfer_id,
     plan_pieces,
@@ -263,3 +270,13 @@ def test_a_lost_p_rank_fails_the_loads_it_was_part_of_and_only_those(instances) 
     run_forward(ps[0], P2pConnectorMetadata(holds=sends, remote_tp_sizes={"t0": 1, "t1": 1}))
     assert collect(ps[:1], "finished_sending", {"rp0", "rp1"}) == [{"rp0", "rp1"}]
     assert ps[0].get_kv_connector_stats()["num_sends_delivered"] == 0
+
+
+def test_the_other_sides_size_travels_in_the_params_and_a_bad_one_fails_the_load() -> None:
+    p = PeerAddr("P", "127.0.0.1", 7000)
+    handoff = KVTransferParams.handoff("t", p, to="decode", remote_tp_size=2).to_dict()
+    assert handoff["remote_tp_size"] == 2
+    assert parse_remote_load(handoff) == RemoteLoad("t", p, None, 2)
+    for bad in (0, -1, "2", 2.5, True):
+        load = parse_remote_load({**handoff, "remote_tp_size": bad})
+        assert load.remote is None and "remote_tp_size" in load.error, bad

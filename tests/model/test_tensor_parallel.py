@@ -40,7 +40,6 @@ EXTRA_CONFIGS = {
     ),
 }
 ALL_CONFIGS = CONFIGS | EXTRA_CONFIGS
-ALL_LAYERS = {name: config().num_hidden_layers for name, config in ALL_CONFIGS.items()}
 NUM_NEW = 12
 PROMPTS = [random_prompt(n, seed=40 + n, vocab_size=255) for n in (11, 3, 26)]
 GREEDY = [{"prompt": p, "params": {"temperature": 0.0, "max_tokens": NUM_NEW}} for p in PROMPTS]
@@ -59,7 +58,14 @@ MIXED = [
     },
     {"prompt": PROMPTS[2], "params": {"temperature": 0.0, "max_tokens": 10}},
 ]  # fmt: skip
-SCENARIOS = {"greedy": GREEDY, "mixed": MIXED}
+#: r0 may sample only tokens [100, 140): across the border of two ranks' vocabulary rows.
+ALLOWED = [100, 140]
+SCENARIOS = {
+    "greedy": {"requests": GREEDY},
+    "mixed": {"requests": MIXED},
+    "grammar": {"requests": GREEDY, "allowed": ALLOWED},
+    "eager": {"requests": GREEDY, "enforce_eager": True},
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,18 +115,25 @@ def test_tp2_greedy_equals_one_rank_and_transformers(
     arch: str, checkpoints: dict[str, str], tp2_outputs: list[dict]
 ) -> None:
     """Rank 0 returns transformers' greedy tokens, as one rank does; rank 1 the same requests
-    with no tokens. The shards run the compiled kernels but the one-call decode layer."""
+    with no tokens. The shards run the compiled kernels but the one-call decode layer, or
+    with ``enforce_eager`` torch ops only."""
     directory = checkpoints[arch]
     rank0, rank1 = (out[directory]["greedy"] for out in tp2_outputs)
     assert rank1["others_empty"] and rank1["results"] == {}
     assert rank0["one_call_layers"] == rank1["one_call_layers"] == 0
-    single = drive(directory, GREEDY, SINGLE_RANK)
-    assert single["one_call_layers"] == (0 if load_cpu_kernels() is None else ALL_LAYERS[arch])
+    config = ALL_CONFIGS[arch]()
+    local_kv_heads = max(config.num_key_value_heads // 2, 1)  # 1 head: replicated
+    assert rank0["kv_heads"] == rank1["kv_heads"] == [local_kv_heads] * config.num_hidden_layers
+    single = drive(directory, SCENARIOS["greedy"], SINGLE_RANK)
+    assert single["kv_heads"] == [config.num_key_value_heads] * config.num_hidden_layers
+    compiled = load_cpu_kernels() is not None
+    assert single["one_call_layers"] == (config.num_hidden_layers if compiled else 0)
     one_rank = single["results"]
     hf_model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    eager = tp2_outputs[0][directory]["eager"]["results"]
     for i, spec in enumerate(GREEDY):
         tokens = rank0["results"][f"r{i}"]["tokens"]
-        assert tokens == one_rank[f"r{i}"]["tokens"]
+        assert tokens == one_rank[f"r{i}"]["tokens"] == eager[f"r{i}"]["tokens"]
         assert tokens == hf_greedy(hf_model, spec["prompt"], NUM_NEW)
 
 
@@ -133,7 +146,7 @@ def test_tp2_sampling_logprobs_and_penalties_equal_one_rank(
     directory = checkpoints[arch]
     rank0, rank1 = (out[directory]["mixed"] for out in tp2_outputs)
     assert rank1["others_empty"] and rank1["results"] == {}
-    one_rank = drive(directory, MIXED, SINGLE_RANK)["results"]
+    one_rank = drive(directory, SCENARIOS["mixed"], SINGLE_RANK)["results"]
     assert rank0["results"].keys() == one_rank.keys()
     for req_id, expected in one_rank.items():
         got = rank0["results"][req_id]
@@ -172,3 +185,18 @@ def test_a_tp_size_that_does_not_divide_is_refused(changes, tp_size: int, field:
     config = ModelConfig.from_hf_config(LlamaConfig(**(TINY | changes), num_hidden_layers=1))
     with pytest.raises(ValueError, match=f"tensor_parallel_size {tp_size} .*{field}"):
         ModelShards.of(config, 0, tp_size)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama_one_kv_head_odd_vocab_biases"])
+def test_tp2_grammar_mask_equals_one_rank(
+    arch: str, checkpoints: dict[str, str], tp2_outputs: list[dict]
+) -> None:
+    """A grammar bitmask on one row (the others plain): the step gathers the whole logits."""
+    directory = checkpoints[arch]
+    rank0, rank1 = (out[directory]["grammar"] for out in tp2_outputs)
+    assert rank1["others_empty"] and rank1["results"] == {}
+    one_rank = drive(directory, SCENARIOS["grammar"], SINGLE_RANK)["results"]
+    assert {r: e["tokens"] for r, e in rank0["results"].items()} == {
+        r: e["tokens"] for r, e in one_rank.items()
+    }
+    assert all(ALLOWED[0] <= t < ALLOWED[1] for t in rank0["results"]["r0"]["tokens"])

@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from pagedkv.distributed.tp_group import SINGLE_RANK, TPGroup, init_tp_group
+from pagedkv.distributed.tp_group import TPGroup, init_tp_group
 from pagedkv.engine.config import SchedulerConfig
 from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler
@@ -27,13 +28,16 @@ from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.config import WorkerConfig
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.model_runner_output import ModelRunnerOutput
+from pagedkv.worker.scheduler_output import GrammarBitmask
 
 MAX_MODEL_LEN = 96
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 
 
-def make_runner(model_dir: str, tp: TPGroup = SINGLE_RANK, cpu_cores: str | None = None):
+def make_runner(
+    model_dir: str, tp: TPGroup, cpu_cores: str | None, enforce_eager: bool
+) -> tuple[ModelRunner, Scheduler]:
     """A warmed-up fp32 CPU runner of rank ``tp.rank`` and a scheduler over its KV cache."""
     config = WorkerConfig(
         model_path=Path(model_dir),
@@ -42,7 +46,7 @@ def make_runner(model_dir: str, tp: TPGroup = SINGLE_RANK, cpu_cores: str | None
         max_model_len=MAX_MODEL_LEN,
         generation_config="vllm",
         attention_backend=None,
-        enforce_eager=False,
+        enforce_eager=enforce_eager,
         retune_kernels=False,
         max_num_seqs=8,
         seed=0,
@@ -70,20 +74,38 @@ def _share_tokens(tp: TPGroup, output: ModelRunnerOutput) -> list[list[int]]:
     return [[t] if t >= 0 else [] for t in tokens.tolist()]
 
 
-def drive(model_dir: str, requests: list[dict[str, Any]], tp: TPGroup, cpu_cores=None) -> dict:
-    """Run ``requests`` (``prompt``, ``params``: SamplingParams keywords) to the end; returns
+def allowed_bitmask(req_id: str, allowed: list[int], vocab_size: int) -> GrammarBitmask:
+    """A grammar bitmask that lets request ``req_id`` sample tokens ``[allowed[0], allowed[1])``
+    only (a stand-in for a grammar's)."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
+    bits[allowed[0] : allowed[1]] = 1
+    words = np.packbits(bits, bitorder="little").view(np.int32)
+    return GrammarBitmask([req_id], words.reshape(1, -1))
+
+
+def drive(
+    model_dir: str, scenario: dict[str, Any], tp: TPGroup, cpu_cores: str | None = None
+) -> dict:
+    """Run ``scenario["requests"]`` (``prompt``, ``params``: SamplingParams keywords) to the
+    end, request ``r0`` held to ``scenario["allowed"]`` tokens where it names some, with torch
+    ops only where ``scenario["enforce_eager"]``; returns
     per request its tokens and logprobs as rank 0's runner returned them (``{}`` elsewhere),
-    whether every other rank's outputs named the same requests with no tokens, and how many
-    layers took the one-call decode layer."""
-    runner, scheduler = make_runner(model_dir, tp, cpu_cores)
-    for i, spec in enumerate(requests):
+    whether every other rank's outputs named the same requests with no tokens, how many
+    layers took the one-call decode layer and each layer's KV heads on this rank."""
+    eager = scenario.get("enforce_eager", False)
+    runner, scheduler = make_runner(model_dir, tp, cpu_cores, eager)
+    allowed = scenario.get("allowed")
+    vocab_size = runner.model_config.vocab_size
+    bitmask = None if allowed is None else allowed_bitmask("r0", allowed, vocab_size)
+    for i, spec in enumerate(scenario["requests"]):
         params = SamplingParams(**spec["params"])
         scheduler.add_request(Request(f"r{i}", spec["prompt"], params, params.max_tokens))
     results: dict[str, dict[str, list]] = {}
     others_empty = True
     while scheduler.has_unfinished_requests():
         scheduler_output = scheduler.schedule()
-        output = runner.execute_model(scheduler_output)
+        scheduled = bitmask is not None and "r0" in scheduler_output.num_scheduled_tokens
+        output = runner.execute_model(scheduler_output, bitmask if scheduled else None)
         if not tp.is_first:
             others_empty &= output.req_ids == list(scheduler_output.num_scheduled_tokens)
             others_empty &= not any(output.sampled_token_ids) and output.logprobs is None
@@ -95,7 +117,13 @@ def drive(model_dir: str, requests: list[dict[str, Any]], tp: TPGroup, cpu_cores
         if tp.is_first:
             _record(results, output)
     one_call = sum(layer.cpu_decode is not None for layer in runner.model.model.layers)
-    return {"results": results, "others_empty": others_empty, "one_call_layers": one_call}
+    kv_heads = [spec.num_kv_heads for spec in runner.get_kv_cache_specs(BLOCK_SIZE).values()]
+    return {
+        "results": results,
+        "others_empty": others_empty,
+        "one_call_layers": one_call,
+        "kv_heads": kv_heads,
+    }
 
 
 def _record(results: dict[str, dict[str, list]], output: ModelRunnerOutput) -> None:
@@ -115,8 +143,8 @@ def main(spec_path: str) -> None:
     tp = init_tp_group(rank, world, spec["store"], timeout_s=60)
     out = {
         model_dir: {
-            name: drive(model_dir, requests, tp, cpu_cores=str(rank % 2))
-            for name, requests in spec["scenarios"].items()
+            name: drive(model_dir, scenario, tp, cpu_cores=str(rank % 2))
+            for name, scenario in spec["scenarios"].items()
         }
         for model_dir in spec["models"]
     }

@@ -25,8 +25,11 @@ Semantics (vLLM's MultiConnector's, plus what this engine's contract asks):
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.output import KVConnectorOutput
@@ -46,13 +49,20 @@ if TYPE_CHECKING:
 
 class MultiConnector(KVConnectorBase):
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         configs = child_configs(config)
         self.stats_prefixes = child_prefixes(configs)
         self.connectors: list[KVConnectorBase] = build_children(
-            create_scheduler_connector, configs, kv_cache_config, model_fingerprint
+            functools.partial(create_scheduler_connector, tp=tp),
+            configs,
+            kv_cache_config,
+            model_fingerprint,
         )
         #: Request id -> (position, tokens) of each child that loads it, in order (until the
         #: request ends).
@@ -126,6 +136,17 @@ class MultiConnector(KVConnectorBase):
         holders, self._holders = self._holders, {}
         loaders, self._shared_loads = self._shared_loads, {}
         return MultiConnectorMetadata(children, holders, loaders)
+
+    def combine_worker_meta(self, metas: Sequence[Any]) -> Any:
+        """Each child combines its own position of the ranks' tuples (``KVConnectorOutput.merge``
+        made them)."""
+        if all(meta is None for meta in metas):
+            return None
+        combined = tuple(
+            child.combine_worker_meta([None if meta is None else meta[i] for meta in metas])
+            for i, child in enumerate(self.connectors)
+        )
+        return None if all(meta is None for meta in combined) else combined
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Each child sees the whole report, with its own ``worker_meta``."""

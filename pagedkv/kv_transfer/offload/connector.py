@@ -17,14 +17,21 @@ step") and then hits that load's blocks in the pool, instead of loading them a s
 
 A tier's faults (a full disk, a vanished store, a corrupt file) are misses: this connector's
 ``kv_load_failure_policy`` is ``recompute``.
+
+Tensor parallelism: each rank keeps its own KV heads of a block in the host tier (its memory) and
+writes its heads' values to the lower tiers (per KV head, so an instance of any TP size reads
+them: ``store/rank_heads.py``). One entry of this half's index stands for every rank's part; it
+is ready once every rank stored its part (``combine_worker_meta``, ``RankReports``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_cache.kv_events import BlockStored, KVCacheEvent
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
@@ -40,13 +47,14 @@ from pagedkv.kv_transfer.offload.metadata import (
     TierBlock,
 )
 from pagedkv.kv_transfer.offload.prefix_locator import PrefixLocator
+from pagedkv.kv_transfer.offload.rank_reports import RankReports
 from pagedkv.kv_transfer.offload.stats import LOAD_LATENCY_BUCKETS, TierCounters
 from pagedkv.kv_transfer.offload.tier_index import TierIndex
 from pagedkv.kv_transfer.offload.tier_sizes import slot_bytes, tier_capacity_blocks
 from pagedkv.kv_transfer.store.backends import StoreBackend, StoreError, create_backend
-from pagedkv.kv_transfer.store.block_codec import block_key
+from pagedkv.kv_transfer.store.block_codec import block_key, split_head_key
 from pagedkv.kv_transfer.store.completed_blocks import CompletedBlocks
-from pagedkv.kv_transfer.store.connector import block_geometry
+from pagedkv.kv_transfer.store.connector import block_geometry, num_kv_heads
 
 if TYPE_CHECKING:
     from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
@@ -59,12 +67,18 @@ class OffloadingConnector(KVConnectorBase):
     default_load_failure_policy = "recompute"
 
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.offload_config = OffloadingConfig.from_extra_config(config.kv_connector_extra_config)
         self.block_size, self.windows = block_geometry(kv_cache_config, "OffloadingConnector")
         self.num_groups = len(self.windows)
+        self.num_kv_heads = num_kv_heads(kv_cache_config, tp)
+        self.rank_reports = RankReports(tp.size)
         #: This step's plan (evictions while the disk tier is indexed at start go in the first).
         self._meta = OffloadingMetadata()
         self.tiers: dict[str, TierIndex] = {}
@@ -79,7 +93,12 @@ class OffloadingConnector(KVConnectorBase):
             assert remote.store is not None
             self.remote = create_backend(remote.store, lookups_only=True)
         self.locator = PrefixLocator(
-            self.tiers, self.remote, self.counters.get("remote"), self._key, self.windows
+            self.tiers,
+            self.remote,
+            self.counters.get("remote"),
+            self._key,
+            self.windows,
+            range(self.num_kv_heads),
         )
         self.load_latency = Histogram(LOAD_LATENCY_BUCKETS)
         self.num_external_queries = 0
@@ -93,7 +112,7 @@ class OffloadingConnector(KVConnectorBase):
     def _add_tier_index(self, name: str) -> None:
         tier = self.offload_config.tier(name)
         assert tier is not None
-        capacity = tier_capacity_blocks(tier, self.kv_cache_config)
+        capacity = tier_capacity_blocks(tier, self.kv_cache_config, self.num_kv_heads)
         index = TierIndex(
             name,
             tier.event_medium,
@@ -107,7 +126,9 @@ class OffloadingConnector(KVConnectorBase):
         self.tiers[name] = index
 
     def _recover_disk(self, index: TierIndex, path: str | None, fsync: bool) -> None:
-        """Index the files a previous run left (same model and KV layout), oldest first."""
+        """Index the blocks a previous run left (same model and KV layout, any TP size): those
+        with a file for every KV head, oldest first. A block some heads' files miss is
+        deleted (in the first step)."""
         assert path is not None
         try:
             found = DiskStore(Path(path), self.model_fingerprint, fsync).scan()
@@ -115,7 +136,15 @@ class OffloadingConnector(KVConnectorBase):
             logger.warning("disk tier %s unusable, running without it: %s", path, e)
             index.capacity_blocks = 0
             return
-        for key, _, _ in found:
+        heads: dict[str, set[int]] = {}
+        for value_key, _, _ in found:
+            parsed = split_head_key(value_key)
+            if parsed is not None:
+                heads.setdefault(parsed[0], set()).add(parsed[1])
+        for key, stored in heads.items():
+            if len(stored) < self.num_kv_heads:
+                self._meta.deletes.setdefault("disk", []).append(key)
+                continue
             _, group, block_hash = key.rsplit(":", 2)
             index.add_ready(key, int(group.removeprefix("g")), bytes.fromhex(block_hash))
         if found:
@@ -263,6 +292,10 @@ class OffloadingConnector(KVConnectorBase):
             self._meta.saves.setdefault(name, []).append(TierBlock(group_id, block_id, key, slot))
 
     # ------------------------------------------------------------------ the worker's report
+    def combine_worker_meta(self, metas: Sequence[Any]) -> OffloadReport | None:
+        """The ranks' ``OffloadReport``s of one step as one (``OffloadReport.combine``)."""
+        return OffloadReport.combine(metas)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving:
             for tier, key in self._loads.pop(req_id, ()):
@@ -271,15 +304,25 @@ class OffloadingConnector(KVConnectorBase):
             del self._loading_keys[key]
         report = output.worker_meta
         if not isinstance(report, OffloadReport):
-            return
-        for tier, key, ok in report.stores:
+            report = OffloadReport()
+        for tier, key, ok in self.rank_reports.stores_ended(report.stores):
             if tier in self.tiers:
                 self.tiers[tier].complete(key, ok)
+                if not ok:
+                    self._delete_files(tier, key)
         for tier, key in report.bad:
             if tier in self.tiers:
                 self.tiers[tier].discard(key)
-        for seconds in report.load_seconds:
+                if key not in self.tiers[tier].entries:
+                    self._delete_files(tier, key)
+        for seconds in self.rank_reports.loads_ended(report.load_seconds, output.finished_recving):
             self.load_latency.observe(seconds)
+
+    def _delete_files(self, tier: str, key: str) -> None:
+        """A disk block that is not (or no longer) an entry: its heads' files that some ranks
+        may have written, or that a load left behind, are deleted."""
+        if tier == "disk":
+            self._meta.deletes.setdefault(tier, []).append(key)
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: tuple[list[int], ...]
@@ -310,7 +353,7 @@ class OffloadingConnector(KVConnectorBase):
             stats.update(counters.as_stats(name))
             index = self.tiers.get(name)
             if index is not None:
-                size = slot_bytes(name, self.kv_cache_config)
+                size = slot_bytes(name, self.kv_cache_config, self.num_kv_heads)
                 stats[f"offload_{name}_capacity_bytes"] = index.capacity_blocks * size
                 stats[f"offload_{name}_used_bytes"] = len(index) * size
                 stats[f"num_offload_{name}_evictions"] = index.num_evictions

@@ -1,7 +1,8 @@
 """The disk tier's data plane: a local directory of block values in the store's format.
 
 Values are written, read and deleted through the store's ``FileBackend`` (``backend``): one
-file per block, ``<root>/<h[:2]>/<h>.kv`` with ``h`` the xxh3-128 of the block key, each file
+file per KV head of a block (``block_codec.head_key``: any TP size's ranks write and read the
+same files), ``<root>/<h[:2]>/<h>.kv`` with ``h`` the xxh3-128 of the value's key, each file
 a whole value (256-byte header with key and checksum, then the payload), made visible
 atomically (temporary ``.*.tmp`` file, then rename). So a reader finds a whole value or none,
 and ``decode_value`` rejects any file damaged since.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from pagedkv.kv_transfer.store.backends.base import StoreError
 from pagedkv.kv_transfer.store.backends.file_backend import FileBackend
-from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, read_header
+from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, read_header, split_head_key
 from pagedkv.kv_transfer.store.config import StoreConfig
 
 #: Length of the hex digest prefix naming the backend's subdirectories.
@@ -104,10 +105,10 @@ class DiskStore:
                     yield path
 
     def _is_own_key(self, key: str) -> bool:
-        """``pagedkv:<this fingerprint>:g<group>:<hash>``: a fingerprint ``a`` must not claim
-        the keys of a fingerprint ``a:b``."""
+        """``pagedkv:<this fingerprint>:g<group>:<hash>:h<head>``: a fingerprint ``a`` must not
+        claim the keys of a fingerprint ``a:b``."""
         rest = key[len(self.key_prefix) :] if key.startswith(self.key_prefix) else ""
-        return rest.startswith("g") and rest.count(":") == 1
+        return rest.startswith("g") and rest.count(":") == 2 and split_head_key(key) is not None
 
     def _own_file(self, path: Path) -> tuple[str, int, os.stat_result] | None:
         """``(key, value size its header names, stat)`` if ``path`` is a value file of this

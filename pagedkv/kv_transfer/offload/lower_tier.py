@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.kv_transfer.offload.stats import TierIOCounters
 from pagedkv.kv_transfer.store.backends import StoreBackend
-from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.head_layout import HeadLayout
 from pagedkv.kv_transfer.store.loader import BlockFetcher
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
@@ -48,7 +48,7 @@ class LowerTier:
         self._lock = threading.Lock()
 
     def fetcher(
-        self, layouts: Sequence[GroupLayout], kv_caches: Sequence[torch.Tensor]
+        self, layouts: Sequence[HeadLayout], kv_caches: Sequence[torch.Tensor]
     ) -> BlockFetcher:
         """The calling load thread's fetcher (each has its own receive buffer)."""
         fetcher = getattr(self._local, "fetcher", None)

@@ -3,10 +3,14 @@
 Down (``OffloadingMetadata``): the blocks this step completed, to store into each tier; the
 loads to start; the disk files of evicted entries; loads to cancel. Up (``OffloadReport``, the
 ``worker_meta`` of the step's output): which stores ended, and which entries a load found bad.
+Under tensor parallelism every rank reports every store and load it was handed (its own KV
+heads'); ``OffloadReport.combine`` puts one step's reports together, and the scheduler half
+counts a store as ended once every rank reported it (``rank_reports.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.kv_connector.base import KVConnectorMetadata
@@ -51,9 +55,23 @@ class OffloadReport:
     stores: list[tuple[str, str, bool]] = field(default_factory=list)
     #: (tier name, key): entries a load found missing, corrupt or unreadable.
     bad: list[tuple[str, str]] = field(default_factory=list)
-    #: Seconds each finished load took, from its submission.
-    load_seconds: list[float] = field(default_factory=list)
+    #: Seconds each finished load took, from its submission, by request id.
+    load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not (self.stores or self.bad or self.load_seconds)
+
+    @classmethod
+    def combine(cls, reports: Sequence[OffloadReport | None]) -> OffloadReport | None:
+        """The tensor-parallel ranks' reports of one step as one: every rank's stores (a key
+        once per rank that reported it), bad entries, and each load's longest time."""
+        combined = cls()
+        for report in reports:
+            if report is None:
+                continue
+            combined.stores.extend(report.stores)
+            combined.bad.extend(report.bad)
+            for req_id, seconds in report.load_seconds.items():
+                combined.load_seconds[req_id] = max(seconds, combined.load_seconds.get(req_id, 0))
+        return None if combined.is_empty else combined

@@ -2,8 +2,9 @@
 a prefix of them can be loaded (in whole blocks, every group's window stored).
 
 The host and disk tiers answer from their ``TierIndex`` (in memory, every time: an entry may
-be evicted between two steps); the remote tier with one ``exists_many`` per request, reused for
-``LOOKUP_REUSE_S`` while the request is not admitted.
+be evicted between two steps); the remote tier with one ``exists_all`` per request (a block is
+there once each of its KV heads is), reused for ``LOOKUP_REUSE_S`` while the request is not
+admitted.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.offload.stats import TierCounters
 from pagedkv.kv_transfer.offload.tier_index import TierIndex
 from pagedkv.kv_transfer.store.backends import StoreBackend, StoreError
+from pagedkv.kv_transfer.store.block_codec import head_keys
 from pagedkv.kv_transfer.store.connector import LOOKUP_REUSE_S, longest_stored_prefix
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 
@@ -45,12 +47,15 @@ class PrefixLocator:
         remote_counters: TierCounters | None,
         key: Callable[[int, bytes], str],
         windows: list[int | None],
+        heads: range,
     ) -> None:
+        """``heads``: the checkpoint's KV heads, each a value of its own in the remote tier."""
         self.tiers = tiers
         self.remote = remote
         self.remote_counters = remote_counters
         self.key = key
         self.windows = windows
+        self.heads = heads
         self.num_groups = len(windows)
         self.lookups: dict[str, Lookup] = {}
 
@@ -94,12 +99,12 @@ class PrefixLocator:
         lookup.remote_checked_at = now
         start = lookup.start_block
         keys = [
-            self.key(g, request.block_hashes[i])
+            head_keys([self.key(g, request.block_hashes[i])], self.heads)
             for g in range(self.num_groups)
             for i in range(start, end)
         ]
         try:
-            exists = self.remote.exists_many(keys)
+            exists = self.remote.exists_all(keys)
         except StoreError as e:
             self.remote_counters.num_lookup_errors += 1
             _failures.warning("lookup", "remote tier lookup failed, a miss: %s", e)

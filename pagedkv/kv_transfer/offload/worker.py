@@ -6,6 +6,10 @@ and reports what ended (``get_finished``).
 Every load ends exactly once, in ``finished_recving``, with the blocks it could not fill in
 ``invalid_block_ids`` (the scheduler recomputes them) and the tier entries found bad in the
 ``OffloadReport``. Every store the scheduler planned is reported once, stored or not.
+
+Tensor parallelism: a rank's host tier holds its own KV heads of each block (the same slots on
+every rank); to the lower tiers it writes the heads no lower rank holds and reads every head it
+holds (``HeadLayout``). A rank that writes no head of a block reports its store done at once.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from pagedkv.kv_transfer.offload.stats import TierIOCounters
 from pagedkv.kv_transfer.offload.tier_sizes import payload_bytes, tier_capacity_blocks
 from pagedkv.kv_transfer.store.backends import StoreBackend, StoreError, create_backend
 from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.connector import num_kv_heads
+from pagedkv.kv_transfer.store.head_layout import HeadLayout
 from pagedkv.kv_transfer.store.metadata import BlockRef
 from pagedkv.kv_transfer.store.writer import PutJob
 
@@ -58,9 +64,10 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.host: HostBuffer | None = None
         self.host_counters = TierIOCounters()
         self.lower: dict[str, LowerTier] = {}
+        heads = num_kv_heads(kv_cache_config, tp)
         for tier in self.offload_config.tiers:
             if tier.medium == "cpu":
-                capacity = tier_capacity_blocks(tier, kv_cache_config)
+                capacity = tier_capacity_blocks(tier, kv_cache_config, heads)
                 self.host = HostBuffer(capacity, payload_bytes(kv_cache_config))
                 continue
             backend = self._open_backend(tier)
@@ -100,10 +107,12 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
         super().register_kv_caches(kv_caches, layer_groups)
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        #: The host tier's (this rank's whole blocks) and the lower tiers' (per KV head).
         self.layouts = [
-            GroupLayout.of_group(gid, layer_groups, kv_caches)
-            for gid in range(len(self.kv_cache_config.kv_cache_groups))
+            GroupLayout.of_group(gid, layer_groups, kv_caches) for gid in range(num_groups)
         ]
+        self.head_layouts = HeadLayout.of_groups(self.tp, kv_caches, layer_groups, num_groups)
 
     @property
     def _meta(self) -> OffloadingMetadata:
@@ -115,7 +124,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         meta = self._meta
         for tier, keys in meta.deletes.items():
             if tier in self.lower:
-                self.lower[tier].writer.submit_delete(keys)
+                self.lower[tier].writer.submit_delete(keys, self.head_layouts[0].write_keys(keys))
         with self._lock:
             self._pending.update(load.req_id for load in meta.loads)
             self._cancelled.update(self._pending.intersection(meta.cancels))
@@ -142,7 +151,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             self._invalid |= invalid
             self._report.bad.extend(bad)
             self._report.stores.extend(stores)
-            self._report.load_seconds.append(time.monotonic() - submitted_at)
+            self._report.load_seconds[load.req_id] = time.monotonic() - submitted_at
         self.notify_progress()
 
     def _is_cancelled(self, req_id: str) -> bool:
@@ -166,7 +175,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         if lower is None:
             bad.extend((tier, b.key) for b in blocks)
             return {b.block_id for b in blocks}
-        fetcher = lower.fetcher(self.layouts, self.kv_caches)
+        fetcher = lower.fetcher(self.head_layouts, self.kv_caches)
         refs = [BlockRef(b.group_id, b.block_id, b.key) for b in blocks]
         invalid = fetcher.load(refs, lambda: self._is_cancelled(req_id))
         if invalid and not self._is_cancelled(req_id):
@@ -212,15 +221,17 @@ class OffloadingConnectorWorker(KVConnectorWorker):
     ) -> list[tuple[str, str, bool]]:
         """Queue a snapshot of ``blocks`` for ``tier``'s writer; the stores that ended now."""
         lower = self.lower.get(tier)
-        layout = self.layouts[group_id]
-        if lower is None or not lower.writer.has_room(len(blocks) * layout.payload_size):
+        layout = self.head_layouts[group_id]
+        if lower is not None and not layout.num_written:  # a lower rank writes these heads
+            return [(tier, b.key, True) for b in blocks]
+        if lower is None or not lower.writer.has_room(len(blocks) * layout.write_bytes):
             if lower is not None:
                 lower.num_backpressured += len(blocks)
             return [(tier, b.key, False) for b in blocks]
-        device = self.kv_caches[layout.layer_indices[0]].device
+        device = self.kv_caches[layout.group.layer_indices[0]].device
         ids = torch.tensor([b.block_id for b in blocks], device=device)
-        keys = [b.key for b in blocks]
-        lower.writer.submit(PutJob(layout, keys, set(), layout.snapshot(self.kv_caches, ids)))
+        snapshot = layout.group.snapshot(self.kv_caches, ids)
+        lower.writer.submit(PutJob(layout, [b.key for b in blocks], set(), snapshot))
         return []
 
     # ------------------------------------------------------------------ report

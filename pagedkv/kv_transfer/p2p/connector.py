@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pagedkv.distributed.shard import Shard
+from pagedkv.distributed.shard import SINGLE_LAYOUT, Shard, TPLayout
 from pagedkv.kv_cache.kv_cache_block import NULL_BLOCK_ID
 from pagedkv.kv_connector.base import KVConnectorBase, KVConnectorMetadata
 from pagedkv.kv_connector.params import KVTransferParams, asks_for
@@ -167,8 +167,10 @@ class _Producing:
 
 
 class P2pConnector(KVConnectorBase):
-    def __init__(self, config, kv_cache_config, model_fingerprint: str) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+    def __init__(
+        self, config, kv_cache_config, model_fingerprint: str, tp: TPLayout = SINGLE_LAYOUT
+    ) -> None:
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.p2p_config = P2pConfig.from_kv_transfer_config(config)
         block_sizes = set(kv_cache_config.block_sizes)
         if len(block_sizes) != 1:
@@ -381,7 +383,10 @@ class P2pConnector(KVConnectorBase):
             return False, None
         self._held[request_id] = transfer_id
         self._meta.holds.append(replace(producing.spec, block_ids=block_ids))
-        return True, KVTransferParams.handoff(transfer_id, self.peer_address, to="decode").to_dict()
+        handoff = KVTransferParams.handoff(
+            transfer_id, self.peer_address, to="decode", remote_tp_size=self.tp.size
+        )
+        return True, handoff.to_dict()
 
     @property
     def peer_address(self) -> PeerAddr:

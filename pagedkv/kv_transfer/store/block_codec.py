@@ -1,8 +1,10 @@
 """Store keys and the value format of one stored KV block.
 
-Key: ``pagedkv:<model fingerprint>:g<KV cache group id>:<chained block hash, hex>``. The chained
-hash covers the whole prefix up to the block's last token (and the cache salt), and the
-fingerprint covers model, dtype and KV layout, so equal keys mean interchangeable KV.
+A block's key: ``pagedkv:<model fingerprint>:g<KV cache group id>:<chained block hash, hex>``.
+The chained hash covers the whole prefix up to the block's last token (and the cache salt), and
+the fingerprint covers model, dtype and KV layout, so equal keys mean interchangeable KV. A value
+holds one KV head of a block, under ``<block key>:h<head>`` (``head_key``; the checkpoint's head
+index): instances of any tensor-parallel size write and read the same values (``rank_heads.py``).
 
 Value: a fixed 256-byte header, then the payload (all layers of the group for that block)::
 
@@ -14,7 +16,7 @@ Value: a fixed 256-byte header, then the payload (all layers of the group for th
     8       8     payload length
     16      8     xxh3-64 of the payload
     24      n     the key, UTF-8 (n <= 232), then zeros up to offset 256
-    256     ...   payload: [layers, 2 (K, V), block_size, kv_heads, head_size] in the cache dtype
+    256     ...   payload: [layers, 2 (K, V), block_size, head_size] of one head, in the cache dtype
 
 A value is accepted only if the magic, version, key, lengths and checksum all match what the
 reader expects; anything else (truncated, corrupted, written under another key, from another
@@ -42,6 +44,22 @@ class CorruptValue(ValueError):
 
 def block_key(model_fingerprint: str, group_id: int, block_hash: bytes) -> str:
     return f"pagedkv:{model_fingerprint}:g{group_id}:{block_hash.hex()}"
+
+
+def head_key(key: str, head: int) -> str:
+    """The key of the value holding KV head ``head`` (the checkpoint's index) of block ``key``."""
+    return f"{key}:h{head}"
+
+
+def head_keys(keys: Sequence[str], heads: range) -> list[str]:
+    """The value keys of ``heads`` of each block of ``keys``, block-major."""
+    return [head_key(key, head) for key in keys for head in heads]
+
+
+def split_head_key(key: str) -> tuple[str, int] | None:
+    """``(block key, head)`` of a value key; None if ``key`` names no head."""
+    block, _, head = key.rpartition(":h")
+    return (block, int(head)) if block and head.isdigit() else None
 
 
 class ValueBatch:

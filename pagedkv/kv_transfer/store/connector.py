@@ -7,9 +7,10 @@ caller sees the request done, its KV is in the store. A request with ``do_remote
 P) also stores its prompt's prefix-cache hits and answers ``{"do_remote_prefill": true,
 "store_num_tokens": N}``, N being the prompt tokens whose blocks it put.
 
-Consumer (``kv_consumer`` / ``kv_both``): at admission, one ``exists_many`` over the blocks past
-the local prefix hit finds the longest stored prefix, in whole blocks and never the last prompt
-token::
+Consumer (``kv_consumer`` / ``kv_both``): at admission, one ``exists_all`` over the blocks past
+the local prefix hit (a block is stored once each of the checkpoint's KV heads is, whichever
+tensor-parallel size wrote them) finds the longest stored prefix, in whole blocks and never the
+last prompt token::
 
     prompt (block_size 4):  [a b c d][e f g h][i j k l][m n]
     local prefix hit:       |-- hit -|
@@ -35,16 +36,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedkv.distributed.shard import SINGLE_LAYOUT, TPLayout
 from pagedkv.kv_cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 from pagedkv.kv_connector.base import KVConnectorBase
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.params import KVTransferParams, asks_for
 from pagedkv.kv_connector.protocols import ConnectorRequest
 from pagedkv.kv_transfer.store.backends import StoreError, create_backend
-from pagedkv.kv_transfer.store.block_codec import block_key
+from pagedkv.kv_transfer.store.block_codec import block_key, head_keys
 from pagedkv.kv_transfer.store.completed_blocks import CompletedBlocks
 from pagedkv.kv_transfer.store.config import StoreConfig
 from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata, StoreLoad
+from pagedkv.kv_transfer.store.rank_heads import checkpoint_kv_heads
 from pagedkv.kv_transfer.store.stats import LOOKUP_STATS, StoreStats
 from pagedkv.transport.rate_limited_log import RateLimitedLog
 from pagedkv.utils import cdiv
@@ -75,6 +78,13 @@ def block_geometry(kv_cache_config: KVCacheConfig, connector: str) -> tuple[int,
     if len({spec.block_size for spec in specs}) != 1:
         raise ValueError(f"{connector} needs one block_size for every KV cache group")
     return specs[0].block_size, [window_blocks(spec) for spec in specs]
+
+
+def num_kv_heads(kv_cache_config: KVCacheConfig, tp: TPLayout) -> int:
+    """The checkpoint's KV heads: each is a value of its own in the store (a rank's KV cache
+    spec holds its local heads only)."""
+    local = {group.kv_cache_spec.num_kv_heads for group in kv_cache_config.kv_cache_groups}
+    return checkpoint_kv_heads(tp, max(local))
 
 
 def longest_stored_prefix(stored: list[list[bool]], windows: list[int | None]) -> int:
@@ -122,11 +132,16 @@ class StoreConnector(KVConnectorBase):
     default_load_failure_policy = "recompute"
 
     def __init__(
-        self, config: KVTransferConfig, kv_cache_config: KVCacheConfig, model_fingerprint: str
+        self,
+        config: KVTransferConfig,
+        kv_cache_config: KVCacheConfig,
+        model_fingerprint: str,
+        tp: TPLayout = SINGLE_LAYOUT,
     ) -> None:
-        super().__init__(config, kv_cache_config, model_fingerprint)
+        super().__init__(config, kv_cache_config, model_fingerprint, tp)
         self.store_config = StoreConfig.from_extra_config(config.kv_connector_extra_config)
         self.block_size, self.windows = block_geometry(kv_cache_config, "StoreConnector")
+        self.heads = range(num_kv_heads(kv_cache_config, tp))
         self.backend = (
             create_backend(self.store_config, lookups_only=True)
             if config.kv_role.consumes
@@ -182,13 +197,13 @@ class StoreConnector(KVConnectorBase):
         assert self.backend is not None
         start, num_groups = lookup.start_block, len(self.windows)
         keys = [
-            self._key(group_id, request.block_hashes[i])
+            head_keys([self._key(group_id, request.block_hashes[i])], self.heads)
             for i in range(start, end)
             for group_id in range(num_groups)
         ]
         self.stats.num_lookups += 1
         try:
-            exists = self.backend.exists_many(keys)
+            exists = self.backend.exists_all(keys)
         except StoreError as e:
             self.stats.num_lookup_errors += 1
             _failures.warning("lookup", "store lookup failed, computing locally: %s", e)

@@ -1,10 +1,12 @@
 """Loading stored blocks into the paged cache: ``BlockFetcher`` (fetch, verify, scatter) and
 ``BlockLoader`` (a background thread running async loads one request at a time).
 
-Every block of a load ends either loaded or in the returned invalid set: missing (evicted or
-expired since the existence check, or never written), corrupt (bad header, wrong key, wrong
-length, checksum mismatch), failed (store down, timeout) or cancelled. A corrupt value is also
-deleted from the store, so the instance that recomputes the block can write it again.
+A block is fetched as the values of every KV head this rank holds (``HeadLayout.read_keys``),
+whatever TP size wrote them. Every block of a load ends either loaded or in the returned invalid
+set: a value missing (evicted or expired since the existence check, or never written), corrupt
+(bad header, wrong key, wrong length, checksum mismatch), failed (store down, timeout) or
+cancelled. A corrupt value is also deleted from the store, so the instance that recomputes the
+block can write it again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import HEADER_SIZE, CorruptValue, decode_value
-from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.head_layout import HeadLayout
 from pagedkv.kv_transfer.store.metadata import BlockRef, StoreLoad
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
@@ -36,7 +38,7 @@ class BlockFetcher:
     def __init__(
         self,
         backend: StoreBackend,
-        layouts: Sequence[GroupLayout],
+        layouts: Sequence[HeadLayout],
         kv_caches: Sequence[torch.Tensor],
         stats: StoreStats,
         recent_keys: RecentKeys,
@@ -46,12 +48,13 @@ class BlockFetcher:
         self.kv_caches = kv_caches
         self.stats = stats
         self.recent_keys = recent_keys
-        #: Where a zero-copy backend fetches a batch: one row per block, as long as the longest
+        #: Where a zero-copy backend fetches a batch: one row per value, as long as the longest
         #: value (allocated once, so pages are touched only by a backend that writes them).
-        self.rows = np.empty(
-            (GET_BATCH_BLOCKS, HEADER_SIZE + max(layout.payload_size for layout in layouts)),
-            dtype=np.uint8,
-        )
+        num_values = GET_BATCH_BLOCKS * max(len(layout.heads.read) for layout in layouts)
+        payload_size = max(layout.payload_size for layout in layouts)
+        self.rows = np.empty((num_values, HEADER_SIZE + payload_size), dtype=np.uint8)
+        #: Where verified payloads are gathered before they are scattered into the cache.
+        self.staging = np.empty((num_values, payload_size), dtype=np.uint8)
         backend.register_buffer(self.rows)
 
     def load(
@@ -68,8 +71,9 @@ class BlockFetcher:
         if is_cancelled():
             stats.num_load_cancelled += len(chunk)
             return {ref.block_id for ref in chunk}
+        value_keys = [self.layouts[ref.group_id].read_keys([ref.key]) for ref in chunk]
         try:
-            values = self.backend.get_into([ref.key for ref in chunk], self.rows)
+            values = self.backend.get_into([k for keys in value_keys for k in keys], self.rows)
         except StoreError as e:
             stats.num_load_errors += len(chunk)
             _failures.warning(
@@ -82,35 +86,53 @@ class BlockFetcher:
         invalid: set[int] = set()
         corrupt: list[str] = []
         verified: dict[int, tuple[list[int], list[memoryview]]] = {}
-        for ref, value in zip(chunk, values):
-            if value is None:
-                stats.num_load_missing += 1
+        position = 0
+        for ref, keys in zip(chunk, value_keys):
+            block_values = values[position : position + len(keys)]
+            position += len(keys)
+            payloads = self._verify(ref, keys, block_values, corrupt)
+            if payloads is None:
                 invalid.add(ref.block_id)
                 continue
-            layout = self.layouts[ref.group_id]
-            try:
-                payload = decode_value(ref.key, value, layout.payload_size)
-            except CorruptValue as e:
-                _failures.warning("corrupt", "store: discarding the value of %s: %s", ref.key, e)
-                stats.num_load_corrupt += 1
-                invalid.add(ref.block_id)
-                corrupt.append(ref.key)
-                continue
-            ids, payloads = verified.setdefault(ref.group_id, ([], []))
+            ids, group_payloads = verified.setdefault(ref.group_id, ([], []))
             ids.append(ref.block_id)
-            payloads.append(payload)
+            group_payloads.extend(payloads)
         for group_id, (ids, payloads) in verified.items():
-            self.layouts[group_id].unpack(self.kv_caches, ids, payloads)
+            self.layouts[group_id].unpack(self.kv_caches, ids, payloads, self.staging)
             stats.num_blocks_loaded += len(ids)
-            stats.num_bytes_loaded += len(ids) * self.layouts[group_id].payload_size
+            stats.num_bytes_loaded += len(payloads) * self.layouts[group_id].payload_size
         self.recent_keys.add_many(ref.key for ref in chunk if ref.block_id not in invalid)
         if corrupt:
-            self.recent_keys.discard_many(corrupt)
-            try:
-                self.backend.delete_many(corrupt)
-            except StoreError as e:
-                _failures.warning("delete", "store: could not delete corrupt values: %s", e)
+            self._discard(corrupt)
         return invalid
+
+    def _verify(
+        self, ref: BlockRef, keys: list[str], values: Sequence, corrupt: list[str]
+    ) -> list[memoryview] | None:
+        """The payloads of a block's values (one per head), or None (counted) if one is
+        missing or corrupt (those go to ``corrupt``)."""
+        if any(value is None for value in values):
+            self.stats.num_load_missing += 1
+            return None
+        payload_size = self.layouts[ref.group_id].payload_size
+        payloads = []
+        for key, value in zip(keys, values):
+            try:
+                payloads.append(decode_value(key, value, payload_size))
+            except CorruptValue as e:
+                _failures.warning("corrupt", "store: discarding the value of %s: %s", key, e)
+                corrupt.append(key)
+        if len(payloads) < len(keys):
+            self.stats.num_load_corrupt += 1
+            self.recent_keys.discard_many([ref.key])
+            return None
+        return payloads
+
+    def _discard(self, corrupt: list[str]) -> None:
+        try:
+            self.backend.delete_many(corrupt)
+        except StoreError as e:
+            _failures.warning("delete", "store: could not delete corrupt values: %s", e)
 
 
 class BlockLoader:

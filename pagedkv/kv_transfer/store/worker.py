@@ -1,6 +1,10 @@
 """StoreConnectorWorker: the worker half. Snapshots computed blocks for the background writer,
 loads stored blocks (async through the loader thread, or sync before the forward pass), and
 reports what ended each step.
+
+Under tensor parallelism each rank has its own worker half: it writes the KV heads of its cache
+that no lower rank holds, and reads every head it holds (``rank_heads.py``); a rank that writes
+no head (a replica) snapshots nothing. Every rank reports every flush and load it was handed.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig
 from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.store.backends import create_backend
-from pagedkv.kv_transfer.store.block_layout import GroupLayout
 from pagedkv.kv_transfer.store.config import StoreConfig
+from pagedkv.kv_transfer.store.head_layout import HeadLayout
 from pagedkv.kv_transfer.store.loader import BlockFetcher, BlockLoader
 from pagedkv.kv_transfer.store.metadata import BlockRef, StoreConnectorMetadata
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
@@ -53,10 +57,8 @@ class StoreConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], layer_groups: list[int]) -> None:
         super().register_kv_caches(kv_caches, layer_groups)
-        self.layouts = [
-            GroupLayout.of_group(gid, layer_groups, kv_caches)
-            for gid in range(len(self.kv_cache_config.kv_cache_groups))
-        ]
+        num_groups = len(self.kv_cache_config.kv_cache_groups)
+        self.layouts = HeadLayout.of_groups(self.tp, kv_caches, layer_groups, num_groups)
         if self.config.kv_role.consumes:
             self.fetcher = BlockFetcher(
                 self.backend, self.layouts, kv_caches, self.stats, self.recent_keys
@@ -94,7 +96,7 @@ class StoreConnectorWorker(KVConnectorWorker):
         meta = self._meta
         writer = self.writer
         failed, self._failed_sync_req_ids = self._failed_sync_req_ids, set()
-        if writer is None or not meta.saves:
+        if writer is None or not meta.saves or not self.layouts[0].num_written:
             return
         by_group: dict[int, list[tuple[str, BlockRef]]] = defaultdict(list)
         for req_id, ref in meta.saves:
@@ -106,17 +108,17 @@ class StoreConnectorWorker(KVConnectorWorker):
             by_group[ref.group_id].append((req_id, ref))
         for group_id, saves in by_group.items():
             layout = self.layouts[group_id]
-            if not writer.has_room(len(saves) * layout.payload_size):
+            if not writer.has_room(len(saves) * layout.write_bytes):
                 self.stats.num_puts_dropped += len(saves)
                 continue
-            device = self.kv_caches[layout.layer_indices[0]].device
+            device = self.kv_caches[layout.group.layer_indices[0]].device
             block_ids = torch.tensor([ref.block_id for _, ref in saves], device=device)
             writer.submit(
                 PutJob(
                     layout,
                     [ref.key for _, ref in saves],
                     {req_id for req_id, _ in saves},
-                    layout.snapshot(self.kv_caches, block_ids),
+                    layout.group.snapshot(self.kv_caches, block_ids),
                 )
             )
 

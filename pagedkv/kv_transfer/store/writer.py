@@ -2,13 +2,16 @@
 
 The engine thread hands over ``PutJob`` snapshots (already copied out of the paged cache). The
 queue is bounded in bytes: when a job does not fit, the caller drops it (and counts it) instead
-of waiting. The writer skips keys already in the store (one ``exists_many`` per job), encodes
-the rest into one reused buffer and writes them with one ``put_from`` (rows of that buffer).
+of waiting. A job names blocks by their block keys; what it puts are the values of the heads
+this rank writes (``HeadLayout``). The writer skips blocks whose values are all in the store
+(one ``exists_many`` per batch), encodes the rest into one reused buffer and writes them with
+one ``put_from`` (rows of that buffer). ``recent_keys`` and ``on_stored`` speak of block keys:
+a block is stored (by this rank) once every value it writes for it is.
 
 A finished request whose blocks were held (``await_flush``) is reported by ``take_flushed``
 once every job it had queued has ended (stored, skipped or failed), or at its deadline.
-``on_stored`` (optional) hears each batch's outcome: its keys, and whether they are now in the
-store. ``submit_delete`` queues keys to delete behind the puts already queued.
+``on_stored`` (optional) hears each batch's outcome: its block keys, and whether they are now in
+the store. ``submit_delete`` queues blocks to delete behind the puts already queued.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from pagedkv.kv_transfer.store.backends.base import StoreBackend, StoreError
 from pagedkv.kv_transfer.store.block_codec import ValueBatch
-from pagedkv.kv_transfer.store.block_layout import GroupLayout
+from pagedkv.kv_transfer.store.head_layout import HeadLayout
 from pagedkv.kv_transfer.store.recent_keys import RecentKeys
 from pagedkv.kv_transfer.store.stats import StoreStats
 from pagedkv.transport.rate_limited_log import RateLimitedLog
@@ -41,7 +44,8 @@ PUT_BATCH_BLOCKS = 32
 
 @dataclass(slots=True)
 class PutJob:
-    layout: GroupLayout
+    layout: HeadLayout
+    #: Block keys.
     keys: list[str]
     #: Requests whose blocks are in this job (each waits for it before its flush ends).
     req_ids: set[str]
@@ -50,12 +54,14 @@ class PutJob:
 
     @property
     def nbytes(self) -> int:
-        return len(self.keys) * self.layout.payload_size
+        return len(self.keys) * self.layout.write_bytes
 
 
 @dataclass(slots=True)
 class DeleteJob:
+    #: Block keys, and the value keys to delete (this rank's heads of those blocks).
     keys: list[str]
+    value_keys: list[str]
 
 
 class BlockWriter:
@@ -101,8 +107,9 @@ class BlockWriter:
                 self._num_jobs[req_id] = self._num_jobs.get(req_id, 0) + 1
         self._queue.put(job)
 
-    def submit_delete(self, keys: list[str]) -> None:
-        self._queue.put(DeleteJob(keys))
+    def submit_delete(self, keys: list[str], value_keys: list[str]) -> None:
+        """Delete ``value_keys`` (the values this rank wrote of blocks ``keys``)."""
+        self._queue.put(DeleteJob(keys, value_keys))
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until every job queued before this call has ended; False on timeout."""
@@ -140,7 +147,7 @@ class BlockWriter:
                 job.set()
                 continue
             if isinstance(job, DeleteJob):
-                self._delete(job.keys)
+                self._delete(job)
                 continue
             try:
                 self.store(job)
@@ -166,57 +173,62 @@ class BlockWriter:
             self._store_rows(job.layout, job.keys, snapshot, start, end)
 
     def _store_rows(
-        self, layout: GroupLayout, all_keys: list[str], snapshot: list, start: int, end: int
+        self, layout: HeadLayout, all_keys: list[str], snapshot: list, start: int, end: int
     ) -> None:
-        """Store blocks ``[start, end)`` of a job, except those already in the store."""
+        """Store blocks ``[start, end)`` of a job, except those whose values are all stored."""
         stats = self.stats
         keys = all_keys[start:end]
         try:
-            exists = self.backend.exists_many(keys)
-            todo = [start + i for i, stored in enumerate(exists) if not stored]
+            todo = [start + i for i, stored in enumerate(self._stored(layout, keys)) if not stored]
             stats.num_puts_skipped_stored += len(keys) - len(todo)
             if todo:
+                value_keys = layout.write_keys([all_keys[i] for i in todo])
                 size = layout.payload_size
-                batch = ValueBatch(len(todo), size, self._storage(size))
+                batch = ValueBatch(len(value_keys), size, self._storage(layout))
                 rows = slice(start, end) if len(todo) == len(keys) else todo
                 layout.pack(snapshot, rows, batch.payloads)
-                todo_keys = [all_keys[i] for i in todo]
-                batch.seal(todo_keys)
-                self.backend.put_from(todo_keys, batch.buffer)
+                batch.seal(value_keys)
+                self.backend.put_from(value_keys, batch.buffer)
                 stats.num_blocks_put += len(todo)
                 stats.num_bytes_put += batch.buffer.nbytes
         except StoreError as e:
             stats.num_put_failures += len(keys)
             _failures.warning("put", "store: %d blocks not stored: %s", len(keys), e)
-            self._report_partial(keys)
+            self._report_partial(layout, keys)
             return
         self.recent_keys.add_many(keys)
         if self.on_stored is not None:
             self.on_stored(keys, True)
 
-    def _report_partial(self, keys: list[str]) -> None:
-        """After a failed put, tell ``on_stored`` which keys made it anyway (a batch can fail
+    def _stored(self, layout: HeadLayout, keys: list[str]) -> list[bool]:
+        """Per block of ``keys``: whether every value this rank writes for it is stored."""
+        n = layout.num_written
+        exists = self.backend.exists_many(layout.write_keys(keys))
+        return [all(exists[i * n : (i + 1) * n]) for i in range(len(keys))]
+
+    def _report_partial(self, layout: HeadLayout, keys: list[str]) -> None:
+        """After a failed put, tell ``on_stored`` which blocks made it anyway (a batch can fail
         halfway: a disk that fills up), so that none is stored unknown to its owner."""
         if self.on_stored is None:
             return
         try:
-            exists = self.backend.exists_many(keys)
+            stored = self._stored(layout, keys)
         except StoreError:
-            exists = [False] * len(keys)
-        self.on_stored([k for k, e in zip(keys, exists) if e], True)
-        self.on_stored([k for k, e in zip(keys, exists) if not e], False)
+            stored = [False] * len(keys)
+        self.on_stored([k for k, s in zip(keys, stored) if s], True)
+        self.on_stored([k for k, s in zip(keys, stored) if not s], False)
 
-    def _delete(self, keys: list[str]) -> None:
-        self.recent_keys.discard_many(keys)
+    def _delete(self, job: DeleteJob) -> None:
+        self.recent_keys.discard_many(job.keys)
         try:
-            self.backend.delete_many(keys)
+            self.backend.delete_many(job.value_keys)
         except StoreError as e:
-            _failures.warning("delete", "store: %d values not deleted: %s", len(keys), e)
+            _failures.warning("delete", "store: %d blocks not deleted: %s", len(job.keys), e)
 
-    def _storage(self, payload_size: int) -> np.ndarray:
+    def _storage(self, layout: HeadLayout) -> np.ndarray:
         """The reused encode buffer, sized for a whole batch of the largest values seen so far,
         and registered with the backend (a zero-copy backend puts straight from it)."""
-        nbytes = ValueBatch.nbytes_for(PUT_BATCH_BLOCKS, payload_size)
+        nbytes = ValueBatch.nbytes_for(PUT_BATCH_BLOCKS * layout.num_written, layout.payload_size)
         if self._buffer is None or len(self._buffer) < nbytes:
             if self._buffer is not None:
                 self.backend.unregister_buffer(self._buffer)

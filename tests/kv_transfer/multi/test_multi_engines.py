@@ -8,6 +8,7 @@ import pytest
 
 import tests.engine.inproc_connector  # noqa: F401  (registers InProcConnector)
 from pagedkv import SamplingParams
+from pagedkv.kv_transfer.store.block_codec import head_key
 from tests.engine.conftest import run
 from tests.kv_transfer.store.conftest import backend_for, store_kv_config
 from tests.kv_transfer.store.test_faults import block_keys
@@ -96,7 +97,7 @@ def test_a_failed_load_follows_the_policy_of_the_child_that_loads(store_url, mak
     run(producer.llm_engine, [(cached, FIRST, None)])  # stores its 4 full blocks
     keys = block_keys(producer, cached)
     store = backend_for(store_url)
-    store.put_many([(keys[2], b"not a kv block")])
+    store.put_many([(head_key(keys[2], 0), b"not a kv block")])
     store.close()
 
     failed, recomputed = run(

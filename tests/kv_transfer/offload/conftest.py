@@ -46,16 +46,19 @@ def connector_halves(llm):
 
 
 def settle(llm) -> None:
-    """Let every queued tier write end, then step once so the scheduler half hears of them."""
+    """Let every queued tier write end, then step once so the scheduler half hears of them,
+    and let the deletes that step queued (files of blocks not stored on every head) end."""
     _, worker_half = connector_halves(llm)
     for lower in worker_half.lower.values():
         assert lower.writer.wait_idle(30.0)
     llm.llm_engine.step()
+    for lower in worker_half.lower.values():
+        assert lower.writer.wait_idle(30.0)
 
 
 def assert_tiers_idle(llm) -> None:
     """Once idle: no load in flight, no entry pending or pinned, no tier over capacity, and
-    the disk tier's files are exactly its index."""
+    the disk tier's files are exactly its index's blocks' heads."""
     settle(llm)
     scheduler_half, worker_half = connector_halves(llm)
     assert not scheduler_half._loads and not scheduler_half._loading_keys
@@ -66,4 +69,5 @@ def assert_tiers_idle(llm) -> None:
     if "disk" in worker_half.lower:
         disk = scheduler_half.tiers["disk"]
         files = list(Path(worker_half.lower["disk"].backend.root).rglob("*.kv"))
-        assert len(files) == len(disk), (len(files), len(disk))
+        # One file per KV head of each block.
+        assert len(files) == len(disk) * scheduler_half.num_kv_heads, (len(files), len(disk))

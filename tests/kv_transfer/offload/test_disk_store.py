@@ -23,6 +23,7 @@ from pagedkv.kv_transfer.store.block_codec import (
     ValueBatch,
     block_key,
     decode_value,
+    head_key,
 )
 
 FP = "tiny-fp16-abc123"
@@ -30,8 +31,8 @@ PAYLOAD = 1024
 
 
 def put(store: DiskStore, fingerprint: str, hashes: range, payload: int = PAYLOAD) -> dict:
-    """Seals and stores one value per hash; returns key -> payload bytes."""
-    keys = [block_key(fingerprint, 0, i.to_bytes(8, "big")) for i in hashes]
+    """Seals and stores one value per hash (KV head 0 of the block); returns key -> payload."""
+    keys = [head_key(block_key(fingerprint, 0, i.to_bytes(8, "big")), 0) for i in hashes]
     batch = ValueBatch(len(keys), payload)
     batch.payloads[:] = np.random.default_rng(hashes.start).integers(
         0, 256, batch.payloads.shape, dtype=np.uint8
@@ -184,4 +185,4 @@ def test_scan_of_a_vanished_directory_is_a_store_error(tmp_path: Path):
     shutil.rmtree(tmp_path / "kv")
     with pytest.raises(StoreError, match=str(tmp_path / "kv")):
         store.scan()
-    assert load(store, block_key(FP, 0, (0).to_bytes(8, "big"))) is None
+    assert load(store, head_key(block_key(FP, 0, (0).to_bytes(8, "big")), 0)) is None

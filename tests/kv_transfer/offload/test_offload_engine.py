@@ -75,8 +75,9 @@ def test_tiers_never_exceed_their_capacity_and_evict(make_llm, tmp_path):
         make_llm("llama", **SMALL_POOL, kv_transfer_config=offloading(cpu_tier()))
     )
     slot = probe.host.rows.shape[1]
+    disk_block = slot + 2 * 256  # a 256-byte header per KV head's file (2 heads)
     config = offloading(
-        cpu_tier(8 * slot / 2**30), disk_tier(tmp_path / "kv", 16 * (slot + 256) / 2**30)
+        cpu_tier(8 * slot / 2**30), disk_tier(tmp_path / "kv", 16 * disk_block / 2**30)
     )
     llm = make_llm("llama", **SMALL_POOL, kv_transfer_config=config)
     generate_each(llm, WORKLOAD)

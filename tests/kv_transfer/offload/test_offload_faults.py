@@ -43,8 +43,8 @@ def test_flipped_files_are_misses_and_deleted(make_llm, tmp_path):
     config = offloading(disk_tier(tmp_path / "kv"))
     fill_disk_and_restart(make_llm, config)
     files = kv_files(tmp_path / "kv")
-    assert len(files) == 6 * 6
-    for path in files:  # one payload byte of every block flipped
+    assert len(files) == 6 * 6 * 2  # 6 prompts x 6 blocks x 2 KV heads
+    for path in files:  # one payload byte of every block's every head flipped
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(data)

@@ -31,8 +31,10 @@ SEGMENTS = [random_prompt(16, 1000 + i) for i in range(5)]
 PROMPT = st.lists(st.integers(0, len(SEGMENTS) - 1), min_size=2, max_size=6).map(
     lambda ids: [t for i in ids for t in SEGMENTS[i]] + [ids[0] + 1]
 )
-#: Host tier: 6 blocks; disk tier: 10 (of 2 layers x 2 x 16 tokens x 2 heads x 16 x 4 bytes).
+#: Host tier: 6 blocks; disk tier: 10 (of 2 layers x 2 x 16 tokens x 2 heads x 16 x 4 bytes;
+#: on disk, a file of a 256-byte header and one head's payload per KV head).
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+DISK_BLOCK_BYTES = BLOCK_BYTES + 2 * 256
 TIERS = (cpu_tier(6 * BLOCK_BYTES / 2**30), disk_tier)
 
 
@@ -40,7 +42,7 @@ TIERS = (cpu_tier(6 * BLOCK_BYTES / 2**30), disk_tier)
 def engines(checkpoint, tmp_path_factory):
     path = checkpoint("llama")
     disk = tmp_path_factory.mktemp("disk")
-    config = offloading(TIERS[0], TIERS[1](disk, 10 * (BLOCK_BYTES + 256) / 2**30))
+    config = offloading(TIERS[0], TIERS[1](disk, 10 * DISK_BLOCK_BYTES / 2**30))
     made = {"ref": LLM(str(path), **SMALL_POOL), "path": path, "config": config}
     made["tiered"] = LLM(str(path), **SMALL_POOL, kv_transfer_config=config)
     yield made

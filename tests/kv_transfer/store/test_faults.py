@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.engine.request_input import RequestInput
-from pagedkv.kv_transfer.store.block_codec import block_key, decode_value
+from pagedkv.kv_transfer.store.block_codec import block_key, decode_value, head_key, head_keys
 from tests.kv_transfer.store.conftest import backend_for, store_kv_config
 from tests.kv_transfer.store.test_store_connector import GREEDY, run, token_ids
 from tests.tiny_models import random_prompt
@@ -57,7 +57,8 @@ def test_a_corrupted_value_is_detected_and_recomputed(tamper, store_url, make_ll
         make_llm("llama", kv_transfer_config=config),
     )
     a.generate([prompt], GREEDY, use_tqdm=False)
-    keys = block_keys(a, prompt)
+    # The value of KV head 1 of block 2 is damaged (head 0's is intact).
+    keys = [head_key(key, 1) for key in block_keys(a, prompt)]
     store = backend_for(store_url)
     values = dict(zip(keys, store.get_many(keys)))
     store.put_many([(keys[2], TAMPER[tamper](values, keys[2], keys[1]))])
@@ -89,17 +90,17 @@ def test_a_key_evicted_between_exists_and_get_is_a_miss(load_mode, store_url, ma
         "llama", kv_transfer_config=store_kv_config(store_url, "kv_consumer", load_mode=load_mode)
     )
     a.generate([prompt], GREEDY, use_tqdm=False)
-    evicted = block_keys(a, prompt)[1]
+    evicted = head_key(block_keys(a, prompt)[1], 0)  # one KV head of block 1
     store = backend_for(store_url)
     scheduler_half, worker = connector_halves(b)
-    exists_many = scheduler_half.backend.exists_many
+    exists_all = scheduler_half.backend.exists_all
 
-    def exists_then_evict(keys):
-        found = exists_many(keys)
+    def exists_then_evict(key_sets):
+        found = exists_all(key_sets)
         store.delete_many([evicted])
         return found
 
-    scheduler_half.backend.exists_many = exists_then_evict
+    scheduler_half.backend.exists_all = exists_then_evict
     (out,) = b.generate([prompt], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
     assert worker.stats.num_load_missing == 1
@@ -336,7 +337,8 @@ def test_a_preempted_request_holds_its_blocks_until_its_earlier_puts_end(redis_s
     assert producer.llm_engine.get_stats().num_preemptions == 1
     keys = block_keys(producer, long + expected[1][:-1])  # the 3 full blocks it computed
     store = backend_for(redis_server.url)
-    assert store.exists_many(keys) == [True] * 3
+    heads = connector_halves(producer)[0].heads
+    assert store.exists_all([head_keys([key], heads) for key in keys]) == [True] * 3
     store.close()
     # A consumer loads the prompt's 2 full blocks and computes the rest.
     consumer = make_llm(

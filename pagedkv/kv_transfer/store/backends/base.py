@@ -6,6 +6,9 @@ transport moves memory without copies (Mooncake) registers that buffer once
 (``register_buffer``) and puts from or fetches into it directly; the others fall back on the
 bytes-like calls with views of the rows, so nothing is copied there either.
 
+``exists_all`` answers for sets of keys at once (a block's values, one per KV head): one
+command per set where the store counts them (Redis's ``EXISTS k1 k2 ...``).
+
 Every failure surfaces as ``StoreError``; ``StoreUnavailable`` (connection refused, timeout,
 shared directory gone) also opens the backend's circuit breaker, so that for the next
 ``backoff`` seconds every call fails at once instead of each waiting for its own timeout.
@@ -82,6 +85,16 @@ class StoreBackend(ABC):
         if not keys:
             return []
         return self.breaker.call(lambda: self._exists_many(keys))
+
+    def exists_all(self, key_sets: Sequence[Sequence[str]]) -> list[bool]:
+        """Per set of keys (a block's values, one per KV head): whether every key is stored."""
+        if not key_sets:
+            return []
+        return self.breaker.call(lambda: self._exists_all(key_sets))
+
+    def _exists_all(self, key_sets: Sequence[Sequence[str]]) -> list[bool]:
+        exists = iter(self._exists_many([key for keys in key_sets for key in keys]))
+        return [all([next(exists) for _ in keys]) for keys in key_sets]
 
     def put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
         if items:

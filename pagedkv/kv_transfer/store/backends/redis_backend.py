@@ -116,6 +116,19 @@ class RedisBackend(StoreBackend):
 
         return [bool(n) for n in self._pipelined(add)]
 
+    def _exists_all(self, key_sets: Sequence[Sequence[str]]) -> list[bool]:
+        """One ``EXISTS`` per set (it counts the keys stored); a cluster's sets may span hash
+        slots, so there each key is asked on its own."""
+        if self.is_cluster:
+            return super()._exists_all(key_sets)
+
+        def add(pipe) -> None:
+            for keys in key_sets:
+                pipe.exists(*keys)
+
+        counts = self._pipelined(add)
+        return [count == len(keys) for count, keys in zip(counts, key_sets)]
+
     def _put_many(self, items: Sequence[tuple[str, Buffer]]) -> None:
         if self.ttl_s is None and not self.is_cluster:  # one MSET: no per-command overhead
             _call(lambda: self._get_client().mset(dict(items)))
