@@ -78,3 +78,5 @@ class EngineDescription:
     kv_peer: PeerAddr | None = None
     #: The connector's KV tiers: medium -> capacity in blocks ({}: none).
     kv_tiers: dict[str, int] = field(default_factory=dict)
+    #: Its tensor-parallel ranks (a P2P peer of another size splits the KV by head).
+    tensor_parallel_size: int = 1

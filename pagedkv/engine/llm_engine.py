@@ -118,6 +118,7 @@ class LLMEngine:
             kv_role=self.kv_transfer_config.kv_role if self.kv_transfer_config else None,
             kv_peer=connector.peer_address if connector else None,
             kv_tiers=connector.tier_capacities() if connector else {},
+            tensor_parallel_size=self.args.tensor_parallel_size,
         )
 
     def load(self) -> tuple[int, int]:

@@ -103,6 +103,7 @@ def start_registration(
         kv_events_replay_endpoint=_reachable(description.kv_events_replay_endpoint, host),
         kv_events_topic=description.kv_events_topic,
         kv_tiers=description.kv_tiers,
+        tensor_parallel_size=description.tensor_parallel_size,
         boot_id=uuid.uuid4().hex,
     )
 

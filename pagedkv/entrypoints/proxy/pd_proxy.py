@@ -158,7 +158,7 @@ class PDProxy:
                 )
             )
             decode_body["kv_transfer_params"] = KVTransferParams.handoff(
-                transfer_id, p.kv, to="decode"
+                transfer_id, p.kv, to="decode", remote_tp_size=p.info.tensor_parallel_size
             ).to_dict()
         d_task = asyncio.create_task(
             self.upstream.open_decode(
@@ -219,7 +219,7 @@ class PDProxy:
             "max_tokens": 1,
             "stream": False,
             "kv_transfer_params": KVTransferParams.handoff(
-                transfer_id, d.kv, to="prefill"
+                transfer_id, d.kv, to="prefill", remote_tp_size=d.info.tensor_parallel_size
             ).to_dict(),
         }
         prefill_body.pop("stream_options", None)

@@ -83,6 +83,7 @@ class Instance:
             "kv_events_endpoint": self.info.kv_events_endpoint or None,
             "kv_tiers": self.info.kv_tiers,
             "kv_paths": self.info.kv_paths,
+            "tensor_parallel_size": self.info.tensor_parallel_size,
             "seconds_since_heartbeat": round(time.monotonic() - self.last_seen, 3),
         }
 

@@ -50,6 +50,10 @@ MAX_KV_PATH_CHARS = 96
 ROLES = (PLAIN_ROLE, *map(str, KVRole))
 
 
+#: More ranks than any host has cores: a heartbeat claiming more is malformed.
+MAX_TENSOR_PARALLEL_SIZE = 1024
+
+
 class Register(msgspec.Struct, frozen=True):
     """I am alive (a heartbeat). The KV address and engine id are the envelope's sender.
     Checked on construction and decoding (a bad one is a ``malformed`` message): the proxy
@@ -83,6 +87,8 @@ class Register(msgspec.Struct, frozen=True):
     #: Peer engine id -> the path KV takes between the two ("shm", "gloo", with why not shm
     #: when the pair could have used it).
     kv_paths: dict[str, str] = {}
+    #: Its ranks (``--tensor-parallel-size``): a peer of another size splits the KV by head.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -97,6 +103,11 @@ class Register(msgspec.Struct, frozen=True):
             raise ValueError("num_running and num_waiting must be >= 0")
         if self.block_size < 0 or self.num_kv_cache_groups < 1:
             raise ValueError("block_size must be >= 0 and num_kv_cache_groups >= 1")
+        if not 1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(
+                f"tensor_parallel_size must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                f"got {self.tensor_parallel_size!r:.20}"
+            )
         if self.hash_algo and (self.hash_algo not in HASH_FUNCTIONS or not self.block_size):
             raise ValueError(
                 f"hash_algo must be one of {sorted(HASH_FUNCTIONS)} with a block_size, "
