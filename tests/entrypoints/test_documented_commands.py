@@ -97,6 +97,7 @@ class Session:
         # Commands run from a scratch directory (their outputs land there) in which relative
         # paths from the repository root, such as pagedkv/assets/default_model, still resolve.
         (log_dir / "pagedkv").symlink_to(REPO_ROOT / "pagedkv")
+        (log_dir / "scripts").symlink_to(REPO_ROOT / "scripts")
 
     def remap(self, text: str) -> str:
         return _PORT.sub(lambda m: self.ports.setdefault(m.group(), str(free_port())), text)

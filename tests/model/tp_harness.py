@@ -140,7 +140,7 @@ def _record(results: dict[str, dict[str, list]], output: ModelRunnerOutput) -> N
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank, world = spec["rank"], spec["world"]
-    tp = init_tp_group(rank, world, spec["store"], timeout_s=60)
+    tp = init_tp_group(rank, world, spec["store"], timeout_s=180)
     out = {
         model_dir: {
             name: drive(model_dir, scenario, tp, cpu_cores=str(rank % 2))

@@ -46,11 +46,13 @@ def connector_halves(llm):
 
 
 def settle(llm) -> None:
-    """Let every queued tier write end, then step once so the scheduler half hears of them,
-    and let the deletes that step queued (files of blocks not stored on every head) end."""
+    """Let every queued tier write end, then step twice: the first so the scheduler half hears
+    of them (and decides which files of blocks not stored on every head to delete), the second
+    so its worker half gets those deletes; and let the deletes end."""
     _, worker_half = connector_halves(llm)
     for lower in worker_half.lower.values():
         assert lower.writer.wait_idle(30.0)
+    llm.llm_engine.step()
     llm.llm_engine.step()
     for lower in worker_half.lower.values():
         assert lower.writer.wait_idle(30.0)
