@@ -26,4 +26,8 @@ void paged_decode_float32(void* out, const void* query, const void* kv_cache,
                           int64_t num_heads, int64_t head_size, int64_t num_blocks,
                           int64_t block_size, int64_t num_kv_heads, int64_t table_stride,
                           int num_threads);
+// shm_all_reduce.cpp
+struct ShmGroup;
+int32_t shm_all_reduce_next(const ShmGroup* g, int64_t* seq, void* x, int64_t numel,
+                            int32_t dtype, int32_t* who);
 }

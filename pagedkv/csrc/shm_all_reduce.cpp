@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "cpu_dtypes.h"
+#include "kernels.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -159,6 +160,22 @@ int32_t shm_all_reduce(const ShmGroup* g, int64_t seq, void* x, int64_t numel, i
   if (dtype == kFloat32) sum_slots(g, seq, static_cast<float*>(x), numel);
   if (dtype == kBFloat16) sum_slots(g, seq, static_cast<pagedkv::bf16*>(x), numel);
   if (dtype == kFloat16) sum_slots(g, seq, static_cast<_Float16*>(x), numel);
+  return kOk;
+}
+
+// x (numel elements of dtype, any number) = the rank-order sum of every rank's x, in slot-sized
+// chunks, one collective each, numbered ++*seq: *seq is the rank's last sequence number, one
+// counter for every caller (ShmAllReduce's, and the one-call decode layer's all-reduces).
+int32_t shm_all_reduce_next(const ShmGroup* g, int64_t* seq, void* x, int64_t numel,
+                            int32_t dtype, int32_t* who) {
+  const int64_t itemsize = dtype == kFloat32 ? 4 : 2;
+  const int64_t chunk = g->slot_bytes / itemsize;
+  uint8_t* bytes = static_cast<uint8_t*>(x);
+  for (int64_t start = 0; start < numel; start += chunk) {
+    const int64_t count = numel - start < chunk ? numel - start : chunk;
+    const int32_t status = shm_all_reduce(g, ++*seq, bytes + start * itemsize, count, dtype, who);
+    if (status != kOk) return status;
+  }
   return kOk;
 }
 

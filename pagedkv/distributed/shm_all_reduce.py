@@ -7,7 +7,8 @@ own slot of the group's segment (``group_segment.py``), announces it by a counte
 the others' slots directly (``csrc/shm_all_reduce.cpp``).
 
 The protocol. Each rank numbers its collectives 1, 2, 3, ... (``seq``; every rank calls the
-same collectives in the same order, so the numbers agree). Rank r has one counter ``c[r]``
+same collectives in the same order, so the numbers agree; the one-call decode layer's
+all-reduces, run from C, take theirs from the same counter). Rank r has one counter ``c[r]``
 (the last seq it published) and two slots, ``slot[r][seq % 2]``. Collective ``seq``:
 
 1. free:    wait until ``c[q] >= seq - 1`` for every rank q;
@@ -45,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
+from typing import NoReturn
 
 import torch
 from torch.distributed import Store
@@ -58,7 +60,7 @@ logger = logging.getLogger(__name__)
 #: a long prefill's go in chunks of this size.
 SHM_SLOT_BYTES = 4 << 20
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_OK, _TIMEOUT = 0, 1  # the C functions' statuses; 2: the group was closed
+_OK, _TIMEOUT, _CLOSED = 0, 1, 2  # the C functions' statuses
 
 
 class _ShmGroup(ctypes.Structure):
@@ -74,9 +76,9 @@ class _ShmGroup(ctypes.Structure):
 
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-#: (group, seq, ..., who) -> status: the C functions' arguments.
+#: (group, seq or its address, ..., who) -> status: the C functions' arguments.
 _SIGNATURES = {
-    "shm_all_reduce": [_P, _I64, _P, _I64, _I32, _P],
+    "shm_all_reduce_next": [_P, _P, _P, _I64, _I32, _P],
     "shm_gather": [_P, _I64, _P, _I64, _P, _I64, _P],
 }
 
@@ -101,11 +103,15 @@ class ShmAllReduce:
         self._who = ctypes.c_int32(0)
         self._group_ref = ctypes.byref(self._group)
         self._who_ref = ctypes.byref(self._who)
-        self._seq = 0
+        #: The last collective's sequence number: C code (``shm_all_reduce_next``) numbers
+        #: all-reduces on from it, Python the gathers, so the rank's collectives, wherever they
+        #: run, take 1, 2, 3, ... in the order they are called.
+        self._seq = ctypes.c_int64(0)
+        self._seq_ref = ctypes.byref(self._seq)
         for name, argtypes in _SIGNATURES.items():
             getattr(library, name).argtypes = argtypes
             getattr(library, name).restype = _I32
-        self._all_reduce = library.shm_all_reduce
+        self._all_reduce = library.shm_all_reduce_next
         self._gather = library.shm_gather
         self._close = library.shm_group_close
         self._close.argtypes = [_P, _I32]
@@ -131,13 +137,8 @@ class ShmAllReduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The rank-order sum of every rank's ``x`` (CPU fp32/bf16/fp16), in place; returns x."""
         y = x if x.is_contiguous() else x.contiguous()
-        pointer, numel, itemsize = y.data_ptr(), y.numel(), y.element_size()
-        chunk = self._open().slot_bytes // itemsize
-        for start in range(0, numel, chunk):
-            self._seq += 1
-            count = min(chunk, numel - start)
-            args = (pointer + start * itemsize, count, _DTYPES[x.dtype])
-            self._call("all_reduce", self._all_reduce, *args)
+        args = (self._seq_ref, y.data_ptr(), y.numel(), _DTYPES[x.dtype])
+        self._call("all_reduce", self._all_reduce, *args)
         if y is not x:
             x.copy_(y)
         return x
@@ -150,9 +151,9 @@ class ShmAllReduce:
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype) if self.rank == 0 else None
         chunk = self._open().slot_bytes
         for start in range(0, nbytes, chunk):
-            self._seq += 1
+            self._seq.value += 1
             dst = None if out is None else out.data_ptr() + start
-            args = (y.data_ptr() + start, min(chunk, nbytes - start), dst, nbytes)
+            args = (self._seq.value, y.data_ptr() + start, min(chunk, nbytes - start), dst, nbytes)
             self._call("gather", self._gather, *args)
         return None if out is None else list(out.unbind(0))
 
@@ -170,13 +171,28 @@ class ShmAllReduce:
             raise RuntimeError("the tensor-parallel group's shared memory is closed")
         return self._segment
 
-    def _call(self, op: str, function: ctypes._CFuncPtr, *args: int | None) -> None:
-        """``function(group, seq, *args, who)``; a RuntimeError naming the missing rank (and
-        the group closed) unless it succeeded."""
+    def call_with_group(self, function: ctypes._CFuncPtr, *args: object) -> int:
+        """``function(*args, group, seq, who)``: a C function that runs this rank's all-reduces
+        itself, through ``shm_all_reduce_next`` with this object's group and sequence counter
+        (the one-call decode layer). Returns its status, unless that is an all-reduce's failure
+        (1 or 2): then the RuntimeError ``all_reduce`` raises, and the group closed."""
         segment = self._open()  # held: the mapping stays while the call may touch it
-        status = function(self._group_ref, self._seq, *args, self._who_ref)
-        if status == _OK:
-            return
+        status = function(*args, self._group_ref, self._seq_ref, self._who_ref)
+        if status in (_TIMEOUT, _CLOSED):
+            self._fail("all_reduce", status, segment)
+        return status
+
+    def _call(self, op: str, function: ctypes._CFuncPtr, *args: object) -> None:
+        """``function(group, *args, who)``; a RuntimeError naming the missing rank (and the
+        group closed) unless it succeeded."""
+        segment = self._open()  # held: the mapping stays while the call may touch it
+        status = function(self._group_ref, *args, self._who_ref)
+        if status != _OK:
+            self._fail(op, status, segment)
+
+    def _fail(self, op: str, status: int, segment: GroupSegment) -> NoReturn:
+        """Raise the RuntimeError for ``op``'s failure ``status`` (timed out or closed), naming
+        the missing rank, and close the group."""
         who = self._who.value
         if status == _TIMEOUT:
             self._close(self._group_ref, who)

@@ -10,6 +10,13 @@ the same thread counts, so a layer's output is bit for bit what its modules comp
 ``LlamaDecoderLayer`` takes this path for a step's single decoding token when ``attach`` gave
 it one and no KV connector hooks into its layers; the model runner attaches it with the other
 compiled ops (fp32 on CPU, not with ``--enforce-eager``).
+
+Under tensor parallelism the call runs the layer's two all-reduces itself (after o_proj and
+after down_proj, each GEMV having added this rank's bias, as the modules do), through the
+group's shared-memory all-reduce (``ShmAllReduce.call_with_group``: the same C function, the
+same sequence counter, the same RuntimeError when a rank is missing), so the output is still
+bit for bit the modules'. A group without shared memory (gloo only) gets no one-call layer: it
+cannot all-reduce from C.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pagedkv.cpu_kernels import load_cpu_kernels
 
 if TYPE_CHECKING:
     from pagedkv.attention.metadata import AttentionMetadata
+    from pagedkv.distributed.shm_all_reduce import ShmAllReduce
 
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int64
 _WEIGHTS = (
@@ -73,11 +81,15 @@ class CpuDecodeLayer:
 
     ``layer`` is a ``LlamaDecoderLayer``: its norms, ``self_attn`` and ``mlp`` are read. The
     weights' addresses are taken once, here: the layer's parameters must stay where they
-    are (they do after loading; this object keeps them alive). Raises ValueError when the layer
-    is not one the call can run: fp32 contiguous CPU weights, both norms with one eps.
+    are (they do after loading; this object keeps them alive). ``shm``: the collectives of the
+    rank's group when the layer is a tensor-parallel shard (None: one rank). Raises ValueError
+    when the layer is not one the call can run: fp32 contiguous CPU weights, both norms with
+    one eps.
     """
 
-    def __init__(self, library: ctypes.CDLL, layer: nn.Module) -> None:
+    def __init__(
+        self, library: ctypes.CDLL, layer: nn.Module, shm: ShmAllReduce | None = None
+    ) -> None:
         attn = layer.self_attn
         eps = layer.input_layernorm.eps
         if layer.post_attention_layernorm.eps != eps:
@@ -89,6 +101,7 @@ class CpuDecodeLayer:
             ):
                 raise ValueError(f"decode layer: {name} must be a contiguous fp32 CPU tensor")
         self._weights = weights
+        self._shm = shm
         self.hidden_size = layer.input_layernorm.weight.shape[0]
         self.num_kv_heads, self.head_size = attn.num_kv_heads, attn.head_dim
         self._struct = DecodeLayerStruct(
@@ -114,6 +127,7 @@ class CpuDecodeLayer:
             + [_INT]
             + [_PTR] * 2
             + [ctypes.c_int]
+            + [_PTR] * 3
         )
         self._function.restype = _INT
 
@@ -160,14 +174,18 @@ class CpuDecodeLayer:
             raise ValueError("decode layer: operands do not match the layer")
         if decodes is None or decodes.block_table.shape[0] != 1:
             raise ValueError("decode layer: the step must decode exactly one row")
-        bad = self._function(
+        args = (
             hidden_states.data_ptr(), residual.data_ptr(), first, self._struct, cos.data_ptr(),
             signed_sin.data_ptr(), kv_cache.data_ptr(), num_blocks, block_size,
             metadata.slot_mapping.data_ptr(), decodes.block_table.data_ptr(),
             decodes.block_table.shape[1], decodes.seq_lens.data_ptr(),
             decodes.first_keys.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if bad >= 0:
+        if self._shm is None:
+            status = self._function(*args, None, None, None)
+        else:  # a failed all-reduce raises the RuntimeError TPGroup.all_reduce would
+            status = self._shm.call_with_group(self._function, *args)
+        if status != 0:
             raise ValueError(
                 f"decode layer: slot {int(metadata.slot_mapping[0])} is outside the cache "
                 f"({num_blocks * block_size} slots)"
@@ -176,13 +194,15 @@ class CpuDecodeLayer:
 
 
 def attach(model: nn.Module) -> int:
-    """Give every layer of ``model`` with a ``cpu_decode`` slot (``LlamaDecoderLayer``; fp32 on
-    the CPU, weights loaded) its one-call decode; returns how many layers took it (0 when the
-    kernels cannot be built)."""
+    """Give every layer of ``model`` (a ``LlamaForCausalLM``, fp32 on the CPU, weights loaded)
+    with a ``cpu_decode`` slot (``LlamaDecoderLayer``) its one-call decode; returns how many
+    layers took it (0 when the kernels cannot be built, or when ``model.tp`` has several ranks
+    but no shared-memory collectives)."""
     library = load_cpu_kernels()
-    if library is None:
+    tp = model.tp
+    if library is None or (tp.world_size > 1 and tp.shm is None):
         return 0
     layers = [m for m in model.modules() if hasattr(m, "cpu_decode")]
     for layer in layers:
-        layer.cpu_decode = CpuDecodeLayer(library, layer)
+        layer.cpu_decode = CpuDecodeLayer(library, layer, tp.shm)
     return len(layers)

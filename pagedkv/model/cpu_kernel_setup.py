@@ -30,9 +30,9 @@ def attach_cpu_kernels(model: LlamaForCausalLM, compiled: bool, retune: bool) ->
     GEMV, one-call decode layers and oneDNN's packed weights; in any case the LM head's layouts.
     ``retune``: time every choice again (``--retune-kernels``).
 
-    A tensor-parallel shard gets every kernel but the one-call decode layer: that runs a whole
-    layer in one C call and cannot all-reduce after its o_proj and down_proj. The other kernels
-    and the choices work on the shard's shapes (the choices are keyed by shape)."""
+    A tensor-parallel shard gets the same kernels, on the shard's shapes (the choices are keyed
+    by shape); its one-call decode layers run the group's all-reduces from C, so they come only
+    with the shared-memory collectives (a gloo-only group runs its layers module by module)."""
     choices = KernelChoices.for_this_machine(retune)
     heads = [m for m in model.modules() if isinstance(m, LMHead)]
     for head in heads:
@@ -46,8 +46,7 @@ def attach_cpu_kernels(model: LlamaForCausalLM, compiled: bool, retune: bool) ->
             attach_gemv(model, gemv)
             for head in heads:
                 head.choose_gemv_layout(choices)
-        if model.tp.world_size == 1:
-            attach_decode_layer(model)
+        attach_decode_layer(model)
         attach_onednn(model, choices)
     for head in heads:
         head.release_unused_copy()

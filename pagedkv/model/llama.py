@@ -125,8 +125,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         #: The whole layer for a step's one decoding token in one compiled call
-        #: (``cpu_decode_layer.attach``; never with several ranks: it cannot all-reduce in the
-        #: middle of the layer); None: module by module.
+        #: (``cpu_decode_layer.attach``; with several ranks only over shared memory, whose
+        #: all-reduces it runs from C); None: module by module.
         self.cpu_decode: CpuDecodeLayer | None = None
 
     def forward(

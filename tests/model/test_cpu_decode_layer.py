@@ -3,13 +3,18 @@ the same compiled ops: bit for bit, on every tiny architecture."""
 
 from __future__ import annotations
 
+import datetime
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed import FileStore
 
 from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.distributed.shm_all_reduce import ShmAllReduce
 from pagedkv.model import cpu_decode_layer
 from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
 from pagedkv.model.cpu_gemv import attach as attach_gemv
@@ -170,3 +175,39 @@ def test_a_layer_the_call_cannot_run_is_refused(llama_layer) -> None:
             CpuDecodeLayer(library, layer)
     finally:
         layer.mlp.down_proj.weight = weight
+
+
+def test_under_tp_a_missing_rank_raises_what_the_all_reduce_would(
+    llama_layer, tmp_path: Path
+) -> None:
+    """Rank 0 of two, whose rank 1 never comes: the call's first all-reduce (after o_proj)
+    times out and raises ``ShmAllReduce.all_reduce``'s RuntimeError, closing the group; the
+    next call finds it closed."""
+
+    def meet(rank: int) -> ShmAllReduce | None:
+        store = FileStore(str(tmp_path / "store"), 2)
+        store.set_timeout(datetime.timedelta(seconds=20))
+        return ShmAllReduce.meet(store, rank, 2, 4096, timeout_s=0.2)
+
+    with ThreadPoolExecutor(2) as pool:
+        rank0, rank1 = pool.map(meet, range(2))
+    if rank0 is None or rank1 is None:
+        pytest.skip("no shared-memory path on this machine")
+    library = cpu_decode_layer.load_cpu_kernels()
+    one_call = CpuDecodeLayer(library, llama_layer.model.layers[0], rank0)
+    hidden, cos, signed_sin, kv_cache, metadata = _one_decode(llama_layer, slot=16 + 5)
+    message = "tensor-parallel all_reduce on rank 0: rank 1 did not arrive within 0.2 s"
+    with pytest.raises(RuntimeError, match=message):
+        one_call(hidden, None, cos, signed_sin, kv_cache, metadata)
+    with pytest.raises(RuntimeError, match="shared memory is closed"):
+        one_call(hidden, None, cos, signed_sin, kv_cache, metadata)
+    rank1.close()
+
+
+def test_a_group_without_shared_memory_gets_no_one_call(tmp_path: Path) -> None:
+    """Several ranks over gloo only: the layers stay module by module."""
+    build_checkpoint(tmp_path, CONFIGS["llama"]())
+    model = load_model(tmp_path)
+    model.tp = SimpleNamespace(world_size=2, shm=None)
+    assert cpu_decode_layer.attach(model) == 0
+    assert all(layer.cpu_decode is None for layer in model.model.layers)

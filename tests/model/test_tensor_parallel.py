@@ -65,6 +65,7 @@ SCENARIOS = {
     "mixed": {"requests": MIXED},
     "grammar": {"requests": GREEDY, "allowed": ALLOWED},
     "eager": {"requests": GREEDY, "enforce_eager": True},
+    "checked": {"requests": GREEDY[2:], "check_one_call": True},
 }
 
 
@@ -115,19 +116,20 @@ def test_tp2_greedy_equals_one_rank_and_transformers(
     arch: str, checkpoints: dict[str, str], tp2_outputs: list[dict]
 ) -> None:
     """Rank 0 returns transformers' greedy tokens, as one rank does; rank 1 the same requests
-    with no tokens. The shards run the compiled kernels but the one-call decode layer, or
-    with ``enforce_eager`` torch ops only."""
+    with no tokens. The shards run the compiled kernels, the one-call decode layer included
+    (it all-reduces through shared memory), or with ``enforce_eager`` torch ops only."""
     directory = checkpoints[arch]
     rank0, rank1 = (out[directory]["greedy"] for out in tp2_outputs)
     assert rank1["others_empty"] and rank1["results"] == {}
-    assert rank0["one_call_layers"] == rank1["one_call_layers"] == 0
     config = ALL_CONFIGS[arch]()
+    compiled = load_cpu_kernels() is not None
+    num_one_call = config.num_hidden_layers if compiled else 0
+    assert rank0["one_call_layers"] == rank1["one_call_layers"] == num_one_call
     local_kv_heads = max(config.num_key_value_heads // 2, 1)  # 1 head: replicated
     assert rank0["kv_heads"] == rank1["kv_heads"] == [local_kv_heads] * config.num_hidden_layers
     single = drive(directory, SCENARIOS["greedy"], SINGLE_RANK)
     assert single["kv_heads"] == [config.num_key_value_heads] * config.num_hidden_layers
-    compiled = load_cpu_kernels() is not None
-    assert single["one_call_layers"] == (config.num_hidden_layers if compiled else 0)
+    assert single["one_call_layers"] == num_one_call
     one_rank = single["results"]
     hf_model = AutoModelForCausalLM.from_pretrained(directory).eval()
     eager = tp2_outputs[0][directory]["eager"]["results"]
@@ -135,6 +137,24 @@ def test_tp2_greedy_equals_one_rank_and_transformers(
         tokens = rank0["results"][f"r{i}"]["tokens"]
         assert tokens == one_rank[f"r{i}"]["tokens"] == eager[f"r{i}"]["tokens"]
         assert tokens == hf_greedy(hf_model, spec["prompt"], NUM_NEW)
+
+
+@pytest.mark.parametrize("arch", sorted(ALL_CONFIGS))
+def test_tp2_one_call_decode_equals_the_modules_bit_for_bit(
+    arch: str, checkpoints: dict[str, str], tp2_outputs: list[dict]
+) -> None:
+    """On each rank, every decoder layer ran its modules, then its one-call decode (which
+    all-reduces from C), on the same inputs: every output bit for bit alike, on every step of a
+    request decoding alone (one call per layer and decode step)."""
+    if load_cpu_kernels() is None:
+        pytest.skip("no compiled kernels: no one-call decode layer")
+    directory = checkpoints[arch]
+    num_layers = ALL_CONFIGS[arch]().num_hidden_layers
+    for out in tp2_outputs:
+        checks = out[directory]["checked"]["one_call_checks"]
+        assert checks == {"one_call": (NUM_NEW - 1) * num_layers, "differ": 0}
+    tokens = tp2_outputs[0][directory]["checked"]["results"]["r0"]["tokens"]
+    assert tokens == tp2_outputs[0][directory]["greedy"]["results"]["r2"]["tokens"]
 
 
 @pytest.mark.parametrize("arch", sorted(ALL_CONFIGS))

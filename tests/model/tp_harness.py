@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_cache.kv_cache_manager import KVCacheManager
+from pagedkv.model.cpu_decode_layer import CpuDecodeLayer
+from pagedkv.model.llama import LlamaDecoderLayer
 from pagedkv.sampling_params import SamplingParams
 from pagedkv.worker.config import WorkerConfig
 from pagedkv.worker.model_runner import ModelRunner
@@ -91,9 +94,11 @@ def drive(
     ops only where ``scenario["enforce_eager"]``; returns
     per request its tokens and logprobs as rank 0's runner returned them (``{}`` elsewhere),
     whether every other rank's outputs named the same requests with no tokens, how many
-    layers took the one-call decode layer and each layer's KV heads on this rank."""
+    layers took the one-call decode layer, each layer's KV heads on this rank and, where
+    ``scenario["check_one_call"]``, the counts of ``_check_one_call``."""
     eager = scenario.get("enforce_eager", False)
     runner, scheduler = make_runner(model_dir, tp, cpu_cores, eager)
+    checks = _check_one_call(runner) if scenario.get("check_one_call") else None
     allowed = scenario.get("allowed")
     vocab_size = runner.model_config.vocab_size
     bitmask = None if allowed is None else allowed_bitmask("r0", allowed, vocab_size)
@@ -123,7 +128,46 @@ def drive(
         "others_empty": others_empty,
         "one_call_layers": one_call,
         "kv_heads": kv_heads,
+        "one_call_checks": checks,
     }
+
+
+class _CountedDecode:
+    """A layer's one-call decode, counting its calls in ``counts["one_call"]``."""
+
+    def __init__(self, one_call: CpuDecodeLayer, counts: dict[str, int]) -> None:
+        self.one_call, self.counts = one_call, counts
+        self.applies = one_call.applies
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.counts["one_call"] += 1
+        return self.one_call(*args)
+
+
+def _check_one_call(runner: ModelRunner) -> dict[str, int]:
+    """Make each decoder layer with a one-call decode run its modules on copies of its inputs
+    first, then itself; the counts (updated as the runner runs): ``one_call``, the one-call
+    decodes; ``differ``, the layer calls whose output differs from the modules' in some bit.
+    (The modules write the same keys and values to the KV cache that the call then writes.)"""
+    counts = {"one_call": 0, "differ": 0}
+    for layer in runner.model.model.layers:
+        if layer.cpu_decode is not None:
+            layer.cpu_decode = _CountedDecode(layer.cpu_decode, counts)
+            layer.forward = partial(_checked_forward, layer, counts)
+    return counts
+
+
+def _checked_forward(
+    layer: LlamaDecoderLayer, counts: dict[str, int], hidden: torch.Tensor, residual, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    one_call, layer.cpu_decode = layer.cpu_decode, None
+    copies = (hidden.clone(), None if residual is None else residual.clone())
+    expected = LlamaDecoderLayer.forward(layer, *copies, *args)
+    layer.cpu_decode = one_call
+    got = LlamaDecoderLayer.forward(layer, hidden, residual, *args)
+    bits = [t.view(torch.int32) for t in (*got, *expected)]
+    counts["differ"] += not (torch.equal(bits[0], bits[2]) and torch.equal(bits[1], bits[3]))
+    return got
 
 
 def _record(results: dict[str, dict[str, list]], output: ModelRunnerOutput) -> None:
