@@ -76,6 +76,7 @@ def test_a_rank_killed_under_load_fails_the_server_visibly(
     try:
         (worker,) = worker_ranks(server.process.pid)
         errors: list[BaseException] = []
+        streaming = threading.Semaphore(0)
 
         def stream() -> None:
             try:
@@ -83,15 +84,17 @@ def test_a_rank_killed_under_load_fails_the_server_visibly(
                     model=MODEL_NAME, prompt="w1", max_tokens=200, stream=True,
                     extra_body={"ignore_eos": True, "min_tokens": 200},
                 )  # fmt: skip
-                for _ in chunks:
-                    pass
+                for i, _ in enumerate(chunks):
+                    if i == 0:
+                        streaming.release()
             except (openai.APIError, httpx.HTTPError) as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=stream) for _ in range(4)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        for _ in threads:  # every stream has its first token: the rank dies mid-answer
+            assert streaming.acquire(timeout=60)
         os.kill(worker, signal.SIGKILL)
         health = []
         deadline = time.monotonic() + 5

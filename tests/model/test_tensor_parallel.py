@@ -99,8 +99,10 @@ def run_ranks(tmp: Path, models: list[str], world: int = 2) -> list[dict]:
             )
         )
     errors = [proc.communicate(timeout=240)[1] for proc in procs]
-    for proc, error in zip(procs, errors):
-        assert proc.returncode == 0, error[-4000:]
+    failed = [
+        f"rank {r}: {e[-3000:]}" for r, (p, e) in enumerate(zip(procs, errors)) if p.returncode
+    ]
+    assert not failed, "\n".join(failed)
     return [json.loads(out.read_text()) for out in outs]
 
 
