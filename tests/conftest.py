@@ -5,6 +5,11 @@ four minutes with one worker idle.)"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
 import pytest
 
 # Seconds each took in a full run on the 2-core CI machine (longest first).
@@ -22,3 +27,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     root = config.rootpath
     items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _restore_cpu_affinity() -> Iterator[None]:
+    """An engine built in a test's own process pins that process (``cpu_cores``, or a
+    tensor-parallel rank 0's share of the cores) for good: give it back its cores and torch
+    threads after each test, or later tests and the processes they start inherit one core."""
+    cores = os.sched_getaffinity(0)
+    yield
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(task), cores)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(len(cores))

@@ -117,13 +117,16 @@ def test_a_rank_that_dies_fails_the_engine_at_once(checkpoints) -> None:
     def generate() -> None:
         try:
             many = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-            llm.generate(PROMPTS * 8, many, use_tqdm=False)
+            llm.generate(PROMPTS * 16, many, use_tqdm=False)
         except BaseException as e:
             errors.append(e)
 
     thread = threading.Thread(target=generate)
     thread.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while llm.llm_engine.get_num_unfinished_requests() == 0:  # killed mid-generation
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     os.kill(worker, signal.SIGKILL)
     killed = time.monotonic()
     thread.join(30)
