@@ -6,7 +6,8 @@ without knowing the type. Each is therefore sent as ``[type name, fields]``: the
 ``module:qualname``, resolved only to a dataclass defined under ``pagedkv.kv_transfer`` (no
 other class is ever built from the wire, and nothing runs but the dataclass's constructor).
 A ``MultiConnectorMetadata``'s children, and a composite's tuple of children's metas, are
-sent the same way, each child by its own name.
+sent the same way, each child by its own name. A rank's whole ``KVConnectorOutput`` goes up as
+its fields, its ``worker_meta`` so encoded (``encode_output``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.multi.metadata import MultiConnectorMetadata
 
 _PACKAGE = "pagedkv.kv_transfer."
@@ -67,3 +69,18 @@ def decode_plain(data: Any) -> Any:
             loaders={req: tuple(positions) for req, positions in loaders.items()},
         )
     return msgspec.convert(fields, cls)
+
+
+def encode_output(output: KVConnectorOutput | None) -> dict | None:
+    if output is None:
+        return None
+    fields = msgspec.to_builtins(dataclasses.replace(output, worker_meta=None))
+    fields["worker_meta"] = encode_plain(output.worker_meta)
+    return fields
+
+
+def decode_output(fields: dict | None) -> KVConnectorOutput | None:
+    if fields is None:
+        return None
+    meta = decode_plain(fields.pop("worker_meta"))
+    return dataclasses.replace(msgspec.convert(fields, KVConnectorOutput), worker_meta=meta)

@@ -29,7 +29,7 @@ import msgspec
 
 from pagedkv.distributed.shard import TPLayout
 from pagedkv.distributed.tp_group import TPGroup, init_tp_group
-from pagedkv.executor.connector_codec import encode_plain
+from pagedkv.executor.connector_codec import decode_output, encode_plain
 from pagedkv.executor.errors import RankDiedError
 from pagedkv.executor.executor import Executor
 from pagedkv.executor.kv_output_aggregator import KVOutputAggregator
@@ -48,7 +48,6 @@ from pagedkv.executor.messages import (
 from pagedkv.executor.rank_meeting import meet_as_rank0
 from pagedkv.executor.shm_broadcast import ShmBroadcast, create_segment
 from pagedkv.executor.worker_handle import WorkerHandle
-from pagedkv.executor.worker_proc import decode_output
 from pagedkv.kv_cache.kv_cache_config import KVCacheConfig
 from pagedkv.kv_connector.base import KVConnectorWorker
 from pagedkv.kv_connector.config import KVTransferConfig

@@ -12,7 +12,6 @@ error ends the process after a one-line ``Failed``: the executor then fails the 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ import numpy as np
 
 from pagedkv.distributed.shard import TPLayout
 from pagedkv.distributed.tp_group import init_tp_group
-from pagedkv.executor.connector_codec import decode_plain, encode_plain
+from pagedkv.executor.connector_codec import decode_plain, encode_output
 from pagedkv.executor.messages import (
     COMMANDS,
     AttachConnector,
@@ -41,7 +40,6 @@ from pagedkv.executor.messages import (
 from pagedkv.executor.shm_broadcast import ShmBroadcast
 from pagedkv.kv_cache.kv_cache_config import get_kv_cache_config
 from pagedkv.kv_connector.config import KVTransferConfig
-from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.factory import create_worker_connector
 from pagedkv.worker.config import WorkerConfig
 from pagedkv.worker.model_runner import ModelRunner
@@ -61,21 +59,6 @@ def _die_with_parent() -> None:
 
 def worker_config(fields: dict) -> WorkerConfig:
     return WorkerConfig(**{**fields, "model_path": Path(fields["model_path"])})
-
-
-def encode_output(output: KVConnectorOutput | None) -> dict | None:
-    if output is None:
-        return None
-    fields = msgspec.to_builtins(dataclasses.replace(output, worker_meta=None))
-    fields["worker_meta"] = encode_plain(output.worker_meta)
-    return fields
-
-
-def decode_output(fields: dict | None) -> KVConnectorOutput | None:
-    if fields is None:
-        return None
-    meta = decode_plain(fields.pop("worker_meta"))
-    return dataclasses.replace(msgspec.convert(fields, KVConnectorOutput), worker_meta=meta)
 
 
 def grammar_bitmask(command: Execute) -> GrammarBitmask | None:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pagedkv.executor.connector_codec import decode_plain, encode_plain
+from pagedkv.executor.connector_codec import (
+    decode_output,
+    decode_plain,
+    encode_output,
+    encode_plain,
+)
+from pagedkv.kv_connector.output import KVConnectorOutput
 from pagedkv.kv_transfer.multi.metadata import MultiConnectorMetadata
 from pagedkv.kv_transfer.offload.metadata import (
     OffloadingMetadata,
@@ -77,3 +83,17 @@ def test_connector_data_comes_back_equal(obj: object) -> None:
 def test_only_connector_dataclasses_are_built(name: str) -> None:
     with pytest.raises(ValueError, match="not a KV connector"):
         decode_plain([name, {}])
+
+
+def test_a_ranks_kv_connector_output_comes_back_equal() -> None:
+    output = KVConnectorOutput(
+        finished_sending={"a"},
+        finished_recving={"b"},
+        invalid_block_ids={3, 4},
+        load_errors={"b": "the peer went away"},
+        loads_in_progress={"c"},
+        worker_meta=(OffloadReport(stores=[("cpu", "k", True)]), None),
+    )
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_output(output)))
+    assert decode_output(wire) == output
+    assert decode_output(encode_output(None)) is None
